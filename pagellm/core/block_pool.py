@@ -1,0 +1,59 @@
+"""The pool of physical KV-cache blocks: ids, reference counts and the free list."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+
+
+class BlockPool:
+    """Owns every physical block. A block is free exactly when its ref count is zero."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"A KV block pool needs at least one block, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self._free_ids: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free_ids)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def allocate(self, num: int) -> list[KVCacheBlock]:
+        if num > len(self._free_ids):
+            raise RuntimeError(f"Asked for {num} KV blocks but only {len(self._free_ids)} are free.")
+        blocks = [self.blocks[self._free_ids.popleft()] for _ in range(num)]
+        for block in blocks:
+            block.ref_cnt = 1
+        return blocks
+
+    def share(self, blocks: list[KVCacheBlock]) -> None:
+        """Add one reference to each block (another block table now holds it)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} is free and cannot be shared"
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks nobody holds go back to the free list.
+
+        Freed in reverse so that a sequence's tail blocks are reused first and its head stays warm longer.
+        """
+        for block in reversed(blocks):
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free_ids.append(block.block_id)

@@ -1,0 +1,36 @@
+"""What the scheduler hands to the workers each step: a self-contained description of the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    num_computed_tokens: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table
+    sampling_params: SamplingParams
+    needs_sample: bool  # False for a prefill chunk that does not reach the end of the known tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests finished since the last step: workers drop their per-request state (e.g. seeded generators).
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,49 @@
+"""Validates and tokenizes what users submit, turning it into engine Requests."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pagellm.config import ModelConfig
+from pagellm.engine.request import Request
+from pagellm.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer, eos_token_ids: frozenset[int]) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self.tokenize(prompt["prompt"])
+        raise ValueError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}; "
+                         f"got {type(prompt).__name__}.")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        text, token_ids = self.tokenize(prompt)
+        self._validate_tokens(token_ids)
+        # The scheduler also stops every request at max_model_len tokens in all.
+        max_tokens = params.max_tokens or self.model_config.max_model_len
+        return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text)
+
+    def _validate_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            bad = next(t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab)
+            raise ValueError(f"Prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab}).")
+        max_model_len = self.model_config.max_model_len
+        if len(token_ids) > max_model_len:
+            raise ValueError(f"The prompt is {len(token_ids)} tokens long, more than max_model_len "
+                             f"({max_model_len}). Shorten the prompt or raise max_model_len (--max-model-len).")

@@ -1,0 +1,46 @@
+"""LLMEngine: the synchronous engine behind the offline `LLM` API (input processing, EngineCore, outputs)."""
+from __future__ import annotations
+
+from pagellm.config import EngineConfig
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core import EngineCore
+from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.tokenizer = get_tokenizer(model_config.tokenizer)
+        eos_token_ids = get_eos_token_ids(model_config.model, model_config.hf_config, self.tokenizer)
+        self.input_processor = InputProcessor(model_config, self.tokenizer, eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        # Every request must fit the pool on its own, or preempting everything else would not help.
+        cache = config.cache_config
+        assert cache.num_blocks * cache.block_size >= model_config.max_model_len
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> int:
+        """Validate and queue a request; returns its prompt length. Raises ValueError on bad input."""
+        request = self.input_processor.process(request_id, prompt, params)
+        self.engine_core.add_request(request)
+        return request.num_prompt_tokens
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def step(self) -> tuple[list[RequestOutput], int]:
+        """Run one step. Returns the outputs of requests that finished, and how many tokens were generated."""
+        updated, finished = self.engine_core.step()
+        return [self.output_processor.make_output(r) for r in finished], len(updated)

@@ -1,0 +1,106 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `.chat(messages)`, vLLM's names."""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.input_processor import PromptType
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args mirror vLLM's: `model` is a checkpoint directory, a .gguf file or a hub id (None: SmolLM2-135M-Instruct);
+    `kv_cache_memory_bytes` sizes the KV block pool (default: a share of free RAM on CPU, or
+    `gpu_memory_utilization` of the device on CUDA).
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
+                 dtype: str = "auto", device: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 block_size: int = 16, kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 gpu_memory_utilization: float = 0.9) -> None:
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+                          max_model_len=max_model_len, block_size=block_size,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_chunked_prefill=enable_chunked_prefill,
+                          gpu_memory_utilization=gpu_memory_utilization)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for all prompts together; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one "
+                                 f"SamplingParams for all, or exactly one per prompt.")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            # The template already holds any BOS; tokenizing without special tokens avoids a second one.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, params)
+                order[request_id] = len(order)
+        except Exception:
+            engine.abort_request(list(order))  # all or nothing: nothing stays queued after bad input
+            raise
+        outputs: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, input_tokens, output_tokens = time.perf_counter(), 0, 0
+        while engine.has_unfinished_requests():
+            finished, num_generated = engine.step()
+            output_tokens += num_generated
+            for output in finished:
+                outputs[order[output.request_id]] = output
+                input_tokens += len(output.prompt_token_ids)
+                bar.update(1)
+            if finished and use_tqdm:
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"input: {input_tokens / elapsed:.1f} toks/s, "
+                                    f"output: {output_tokens / elapsed:.1f} toks/s")
+        bar.close()
+        return outputs

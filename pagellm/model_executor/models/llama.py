@@ -1,0 +1,125 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral), parameterised for its close relatives:
+QKV bias (Qwen2) and per-head Q/K RMSNorm (Qwen3) are switches, not copies of the model."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagellm.model_executor.layers.activation import SiluAndMul
+from pagellm.model_executor.layers.attention import Attention, AttentionMetadata
+from pagellm.model_executor.layers.layernorm import RMSNorm
+from pagellm.model_executor.layers.linear import Linear, MergedLinear
+from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, max_position: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=getattr(config, "mlp_bias", False))
+        self.down_proj = Linear(size, config.hidden_size, bias=getattr(config, "mlp_bias", False))
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, max_position: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, max_position, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, meta) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name fragment -> (fused parameter fragment, shard index)
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, max_position, qkv_bias, self.qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters; returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            fragment = next((f for f in self.stacked_params if f".{f}." in name), None)
+            if fragment is not None:
+                fused, shard = self.stacked_params[fragment]
+                target = name.replace(f".{fragment}.", f".{fused}.")
+                module = self.get_submodule(target.rsplit(".", 2)[0] + "." + fused)
+                module.load_shard(params[target], tensor, shard)
+                loaded.add(target)
+                continue
+            if name not in params:
+                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}.")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"Checkpoint is missing weights: {sorted(missing)[:8]}")
+        return loaded

@@ -1,0 +1,105 @@
+"""One worker: owns a device, the model on it, the KV cache tensors, and sizes the cache from a memory budget."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagellm.config import EngineConfig
+from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.logger import init_logger
+from pagellm.sampling_params import SamplingParams
+from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagellm.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+# On CPU the KV cache shares RAM with everything else: take a modest share of what is free, like vLLM's
+# 4 GiB default for its CPU backend.
+_CPU_KV_SHARE = 0.3
+_CPU_KV_MAX_BYTES = 4 * GiB
+
+
+def available_host_memory() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device_config.device
+        self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device)
+        self.cache_engine: CacheEngine | None = None
+
+    def init_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.model_config.seed)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_kv_cache_bytes(self) -> int:
+        cache_config = self.config.cache_config
+        if cache_config.kv_cache_memory_bytes is not None:
+            return cache_config.kv_cache_memory_bytes
+        if self.device.type == "cpu":
+            return int(min(_CPU_KV_MAX_BYTES, _CPU_KV_SHARE * available_host_memory()))
+        return self._profile_cuda_budget()
+
+    def _profile_cuda_budget(self) -> int:
+        """Run the largest batch the scheduler may build, then give the KV cache what is left of
+        gpu_memory_utilization of the device."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_run()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = (total - free) - torch.cuda.memory_reserved()
+        peak = torch.cuda.max_memory_allocated()
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - peak - max(non_torch, 0)
+        logger.info("Memory profiling: peak activations+weights %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+                    peak / GiB, non_torch / GiB, budget / GiB)
+        return max(budget, 0)
+
+    def profile_run(self) -> None:
+        """A forward pass over max_num_batched_tokens tokens (split into sequences of at most max_model_len)
+        with a throwaway cache just big enough for it."""
+        sched, block_size = self.config.scheduler_config, self.config.cache_config.block_size
+        num_tokens = sched.max_num_batched_tokens
+        lengths = [min(sched.max_model_len, num_tokens - start) for start in range(0, num_tokens, sched.max_model_len)]
+        requests, next_block = [], 0
+        for i, length in enumerate(lengths):
+            num_blocks = -(-length // block_size)
+            requests.append(ScheduledRequest(f"profile-{i}", [0] * length, 0,
+                                             list(range(next_block, next_block + num_blocks)),
+                                             SamplingParams(temperature=1.0, top_p=0.9, top_k=50), True))
+            next_block += num_blocks
+        self.initialize_cache(next_block)
+        self.model_runner.execute_model(SchedulerOutput(scheduled=requests))
+        self.cache_engine = None
+        self.model_runner.kv_caches = []
+
+    def determine_num_blocks(self) -> int:
+        model_config, cache_config = self.config.model_config, self.config.cache_config
+        per_block = kv_bytes_per_block(model_config, cache_config.block_size)
+        budget = self.determine_kv_cache_bytes()
+        num_blocks = budget // per_block
+        max_len = self.config.scheduler_config.max_model_len
+        needed = -(-max_len // cache_config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"The KV cache budget of {budget / GiB:.3f} GiB holds {num_blocks} blocks "
+                f"({num_blocks * cache_config.block_size} tokens), but one request of max_model_len={max_len} tokens "
+                f"needs {needed} blocks ({needed * per_block / GiB:.3f} GiB). Increase the KV cache memory "
+                f"(kv_cache_memory_bytes / --kv-cache-memory, or gpu_memory_utilization on CUDA) or lower "
+                f"max_model_len (--max-model-len).")
+        return int(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device)
+        self.model_runner.kv_caches = self.cache_engine.kv_caches
+
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(output)
