@@ -2,6 +2,7 @@
 allocated once at start-up."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagellm.config import CacheConfig, ModelConfig
@@ -18,5 +19,15 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.block_size = cache_config.block_size
         shape = (2, num_blocks, cache_config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=model_config.dtype, device=device)
-                          for _ in range(model_config.num_layers)]
+        self.kv_caches = [zeros(shape, model_config.dtype, device) for _ in range(model_config.num_layers)]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled cache memory. The cache must start as zeros, not garbage: padded decode slots are multiplied
+    by a zero probability, and 0 * NaN would poison the output. On CPU, NumPy's calloc-backed zeros leave the
+    pages to the OS to zero on first touch, so a multi-GiB pool costs nothing until it is used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[element_size])
+    return torch.from_numpy(raw).view(dtype)

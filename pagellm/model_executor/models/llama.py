@@ -15,7 +15,7 @@ from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, max_position: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -25,7 +25,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_position)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -53,9 +53,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, max_position: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, max_position, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, rotary_emb, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -78,9 +78,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # One cos/sin cache shared by every layer.
+        self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, max_position, qkv_bias, self.qk_norm) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, self.rotary_emb, qkv_bias, self.qk_norm)
+            for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)

@@ -1,0 +1,287 @@
+"""GGUF -> Hugging Face checkpoint conversion.
+
+Owns turning a Llama-architecture GGUF file into a cached HF-style directory (config.json,
+model.safetensors, tokenizer files, generation_config.json) that the rest of pagellm loads like
+any other checkpoint: dequantization via the ``gguf`` package, llama.cpp's tensor renaming and
+Q/K row permutation undone, rope scaling recovered from the metadata, and an atomic on-disk cache
+keyed by the file's identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from safetensors.torch import save_file
+
+# Bump whenever the output layout changes, so stale cache entries are never reused.
+CONVERTER_VERSION = "2"
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# llama3-style rope is stored by llama.cpp as per-frequency divisors; it becomes config.rope_scaling.
+_ROPE_FREQS = "rope_freqs.weight"
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def convert_gguf_to_hf_dir(
+    gguf_path: str | os.PathLike, cache_root: str | os.PathLike | None = None
+) -> pathlib.Path:
+    """Convert a Llama-architecture GGUF file into a Hugging Face-style checkpoint directory (cached)."""
+    path = pathlib.Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
+    path = path.resolve()
+    out_dir = _cache_dir(path, cache_root)
+    if out_dir.is_dir():
+        return out_dir
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        os.chmod(tmp_dir, 0o755)  # mkdtemp's 0700 would make the published cache entry private
+        _convert(path, tmp_dir)
+        try:
+            os.replace(tmp_dir, out_dir)
+        except OSError:
+            # Another process finished the same conversion first; its result is equivalent.
+            if not out_dir.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _cache_dir(path: pathlib.Path, cache_root: str | os.PathLike | None) -> pathlib.Path:
+    root = cache_root or os.environ.get("PAGELLM_CACHE_DIR") or "~/.cache/pagellm"
+    st = path.stat()
+    ident = f"{CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:64]
+    return pathlib.Path(root).expanduser() / "gguf" / f"{stem}-{digest}"
+
+
+def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
+    reader = gguf.GGUFReader(path)
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {str(path)!r}; "
+            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    config = _build_config(reader, arch, tensors)
+    state_dict = _build_state_dict(tensors, config)
+    config["attention_bias"] = any(".self_attn." in n and n.endswith(".bias") for n in state_dict)
+    config["mlp_bias"] = any(".mlp." in n and n.endswith(".bias") for n in state_dict)
+
+    save_file(state_dict, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del state_dict
+    _write_json(out_dir / "config.json", config)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    _write_json(out_dir / "generation_config.json", generation)
+    _save_tokenizer(path, out_dir, _meta(reader, "tokenizer.chat_template"))
+
+
+def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    def key(name: str, default: Any = None) -> Any:
+        return _meta(reader, f"{arch}.{name}", default)
+
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length") or key("rope.dimension_count") or hidden // heads)
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shape is [hidden, vocab]
+    ffn = key("feed_forward_length")
+    intermediate = int(ffn) if ffn is not None else int(tensors["blk.0.ffn_gate.weight"].shape[-1])
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    for hf_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        value = _meta(reader, f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            config[hf_key] = int(value)
+    rope_scaling = _rope_scaling(key, tensors, config)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(
+    key: Callable[..., Any], tensors: dict[str, Any], config: dict[str, Any]
+) -> dict[str, Any] | None:
+    kind = key("rope.scaling.type")
+    factor = key("rope.scaling.factor") or key("rope.scale_linear")
+    orig_ctx = key("rope.scaling.original_context_length")
+    if kind == "linear" or (kind is None and factor and _ROPE_FREQS not in tensors):
+        return {"rope_type": "linear", "factor": float(factor)} if factor and factor != 1.0 else None
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        if orig_ctx:
+            scaling["original_max_position_embeddings"] = int(orig_ctx)
+        for hf_name, gguf_name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if (value := key(f"rope.scaling.{gguf_name}")) is not None:
+                scaling[hf_name] = float(value)
+        return scaling
+    if kind not in (None, "none"):
+        raise ValueError(f"Unsupported GGUF rope scaling type {kind!r}")
+    if _ROPE_FREQS not in tensors:
+        return None
+    divisors = np.asarray(_dequantize(tensors[_ROPE_FREQS]).float().numpy(), dtype=np.float64)
+    return _llama3_scaling(divisors, config["rope_theta"], config["head_dim"], int(orig_ctx or 8192))
+
+
+def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, orig_ctx: int) -> dict[str, Any]:
+    """Recover HF llama3 rope parameters from llama.cpp's per-frequency divisors (rope_freqs)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(divisors.max())
+    # llama.cpp's own defaults; only used as-is when no frequency falls inside the smoothing band.
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": orig_ctx,
+    }
+    medium = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if medium.sum() >= 2 and factor > 1:
+        # In the smoothing band 1/divisor = (1-s)/factor + s with s linear in inv_freq; fit that line.
+        smooth = (1 / divisors[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv_freq[medium], smooth, 1)
+        span = orig_ctx / (2 * math.pi * slope)
+        scaling["low_freq_factor"] = float(-intercept * span)
+        scaling["high_freq_factor"] = float(-intercept * span + span)
+    if not np.allclose(_llama3_divisors(inv_freq, scaling), divisors, rtol=1e-4):
+        raise ValueError("GGUF rope_freqs tensor does not match llama3-style rope scaling")
+    return scaling
+
+
+def _llama3_divisors(inv_freq: np.ndarray, s: dict[str, Any]) -> np.ndarray:
+    ctx, factor = s["original_max_position_embeddings"], s["factor"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (ctx / wavelen - low) / (high - low)
+    scale = np.where(wavelen < ctx / high, 1.0, (1 - smooth) / factor + smooth)
+    scale = np.where(wavelen > ctx / low, 1 / factor, scale)
+    return 1 / scale
+
+
+def _dequantize(tensor: Any) -> torch.Tensor:
+    """One GGUF tensor as a torch tensor in HF (row-major, reversed GGUF) shape."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    qtype = tensor.tensor_type
+    if qtype == GGMLQuantizationType.F32:
+        out = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
+    elif qtype == GGMLQuantizationType.F16:
+        out = torch.from_numpy(np.array(tensor.data, dtype=np.float16))
+    elif qtype == GGMLQuantizationType.BF16:
+        out = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
+    else:
+        values = gguf.quants.dequantize(tensor.data, qtype)
+        out = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return out.reshape(shape)
+
+
+def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of convert_hf_to_gguf's rotary permute: per head, interleaved (x0,y0,x1,y1..) -> halves."""
+    rest = weight.shape[1:]
+    return (weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *rest)
+            .transpose(1, 2).reshape(weight.shape).contiguous())
+
+
+def _hf_name(name: str) -> str:
+    if m := _LAYER_RE.match(name):
+        layer, stem, kind = m.groups()
+        if stem in _LAYER_TENSORS:
+            return f"model.layers.{layer}.{_LAYER_TENSORS[stem]}.{kind}"
+    elif (m := _GLOBAL_RE.match(name)) and m.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"Unexpected tensor {name!r} in a llama GGUF file")
+
+
+def _build_state_dict(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name == _ROPE_FREQS:
+            continue
+        weight = _dequantize(tensor)
+        if ".attn_q." in name:
+            weight = _unpermute(weight, config["num_attention_heads"])
+        elif ".attn_k." in name:
+            weight = _unpermute(weight, config["num_key_value_heads"])
+        state_dict[_hf_name(name)] = weight
+    return state_dict
+
+
+def _save_tokenizer(path: pathlib.Path, out_dir: pathlib.Path, chat_template: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(out_dir))
+    # transformers>=5 may put the template only in chat_template.jinja and skip special_tokens_map.json;
+    # write both into the classic places so consumers reading the JSON files alone see them.
+    config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text(encoding="utf-8"))
+    if chat_template is not None and tok_config.get("chat_template") != chat_template:
+        tok_config["chat_template"] = chat_template
+        _write_json(config_path, tok_config)
+    if not (out_dir / "special_tokens_map.json").exists():
+        _write_json(out_dir / "special_tokens_map.json", dict(tokenizer.special_tokens_map))
+
+
+def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
