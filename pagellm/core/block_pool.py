@@ -44,16 +44,28 @@ class BlockPool:
     def share(self, blocks: list[KVCacheBlock]) -> None:
         """Add one reference to each block (another block table now holds it)."""
         for block in blocks:
-            assert block.ref_cnt > 0, f"block {block.block_id} is free and cannot be shared"
+            if block.ref_cnt == 0:
+                raise RuntimeError(f"KV block {block.block_id} is free and cannot be shared.")
+        for block in blocks:
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks nobody holds go back to the free list.
 
-        Freed in reverse so that a sequence's tail blocks are reused first and its head stays warm longer.
+        Freed in reverse, so a sequence's tail blocks join the free list before its head blocks.
         """
+        self._check_held(blocks)
         for block in reversed(blocks):
-            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free_ids.append(block.block_id)
+
+    @staticmethod
+    def _check_held(blocks: list[KVCacheBlock]) -> None:
+        """Fail before changing anything if a block is free (double free) or listed more times than held."""
+        counts: dict[int, int] = {}
+        for block in blocks:
+            counts[block.block_id] = counts.get(block.block_id, 0) + 1
+            if counts[block.block_id] > block.ref_cnt:
+                raise RuntimeError(f"KV block {block.block_id} is released more times than it is held "
+                                   f"(ref count {block.ref_cnt}): double free.")

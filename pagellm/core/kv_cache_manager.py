@@ -31,12 +31,12 @@ class KVCacheManager:
 
         Returns False, allocating nothing, when the pool is too small right now (the caller may preempt).
         """
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks = self.req_to_blocks.get(request.request_id, [])
         needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens) - len(blocks)
         if needed > self.block_pool.num_free_blocks:
             return False
         if needed > 0:
-            blocks.extend(self.block_pool.allocate(needed))
+            self.req_to_blocks[request.request_id] = blocks + self.block_pool.allocate(needed)
         return True
 
     def get_block_ids(self, request_id: str) -> list[int]:

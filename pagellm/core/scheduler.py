@@ -125,7 +125,9 @@ class Scheduler:
         """Advance every scheduled request; returns (requests that got a new token, requests that finished)."""
         updated, finished = [], []
         for scheduled in output.scheduled:
-            request = self.requests[scheduled.request_id]
+            request = self.requests.get(scheduled.request_id)
+            if request is None:  # aborted while the step ran
+                continue
             request.num_computed_tokens += scheduled.num_tokens
             if not scheduled.needs_sample:
                 continue

@@ -1,8 +1,10 @@
 """EngineArgs: the user-facing knobs (shared by `LLM(...)` and the CLI), turned into a validated EngineConfig."""
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 
 from pagellm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device,
                             resolve_dtype)
@@ -65,3 +67,41 @@ class EngineArgs:
                              f"{limit} tokens (max_position_embeddings, or the sliding window); lower "
                              f"--max-model-len.")
         return self.max_model_len
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """vLLM's flag names for every engine argument."""
+        parser.add_argument("--model", default=None,
+                            help="checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                            help="auto: float32 on CPU, bfloat16 on CUDA")
+        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="context length (prompt + output); default: the model's")
+        parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        parser.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=parse_size, default=None,
+                            help="KV cache size, e.g. 2GiB or 512MB (default: a share of free RAM on CPU, "
+                                 "--gpu-memory-utilization on CUDA)")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MB', '1.5g' or a plain byte count -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 4GiB, 512MB or a number of bytes")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])

@@ -20,9 +20,6 @@ class LLMEngine:
         self.input_processor = InputProcessor(model_config, self.tokenizer, eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
-        # Every request must fit the pool on its own, or preempting everything else would not help.
-        cache = config.cache_config
-        assert cache.num_blocks * cache.block_size >= model_config.max_model_len
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

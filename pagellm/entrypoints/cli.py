@@ -1,0 +1,69 @@
+"""The `pagellm` command: `generate` (one prompt, printed), `bench throughput`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagellm.engine.arg_utils import EngineArgs
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    if args.chat:
+        output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        output = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    completion = output.outputs[0]
+    print(completion.text if args.chat else args.prompt + completion.text)
+    print(f"[{len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
+          f"finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from pagellm.benchmarks.throughput import run
+
+    run(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="Run and serve large language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one prompt and print the result")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=-1)
+    generate.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    EngineArgs.add_cli_args(generate)
+    generate.set_defaults(handler=_generate)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    throughput = bench.add_parser("throughput", help="offline throughput, optionally against transformers")
+    from pagellm.benchmarks.throughput import add_cli_args
+
+    add_cli_args(throughput)
+    EngineArgs.add_cli_args(throughput)
+    throughput.set_defaults(handler=_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

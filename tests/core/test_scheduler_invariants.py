@@ -1,0 +1,271 @@
+"""Property tests: random workloads driven through schedule()/update_from_output() with a fake model, checking the
+scheduler's and the block pool's invariants at every step and the requests' outputs at the end."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import strategies as st
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine.request import Request, RequestStatus
+from pagellm.sampling_params import SamplingParams
+
+EOS = 2
+STOP = 3
+MAX_MODEL_LEN = 256
+
+
+@dataclass
+class Spec:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    arrival: int  # the step before which it is added
+    ignore_eos: bool
+    use_stop: bool
+    abort_at: int | None  # the step before which it is aborted (if still unfinished)
+    plan: list[int]  # what the fake model samples for output token k (deterministic, like a seeded model)
+
+    @property
+    def prompt(self) -> list[int]:
+        return [10 + (7 * int(self.request_id[1:]) + j) % 900 for j in range(self.prompt_len)]
+
+    def make_request(self) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                                stop_token_ids=[STOP] if self.use_stop else [])
+        return Request(request_id=self.request_id, prompt_token_ids=self.prompt, sampling_params=params,
+                       eos_token_ids=frozenset({EOS}), max_tokens=self.max_tokens)
+
+    def expected(self, max_model_len: int) -> tuple[list[int], str]:
+        """The full output if nothing aborts it, and its finish reason."""
+        limit = min(self.max_tokens, max_model_len - self.prompt_len)
+        for k in range(limit):
+            token = self.plan[k]
+            if (token == EOS and not self.ignore_eos) or (token == STOP and self.use_stop):
+                return self.plan[:k + 1], "stop"
+        return self.plan[:limit], "length"
+
+
+@dataclass
+class Workload:
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    chunked: bool
+    specs: list[Spec]
+
+
+@st.composite
+def workloads(draw) -> Workload:
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    min_blocks = cdiv(MAX_MODEL_LEN, block_size)  # any single request fits on its own
+    num_blocks = min_blocks + draw(st.integers(0, min_blocks))  # small enough to preempt sometimes
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(1 if chunked else MAX_MODEL_LEN, 512))
+    max_num_seqs = draw(st.integers(1, 8))
+    p_special = draw(st.sampled_from([0.0, 0.03, 0.15]))  # how often the fake model emits eos / the stop token
+    n = draw(st.integers(1, 20))
+    specs = []
+    for i in range(n):
+        max_tokens = draw(st.integers(1, 40))
+        seed = draw(st.integers(0, 2**16))
+        rng = random.Random(seed)
+        plan = [rng.choice((EOS, STOP)) if rng.random() < p_special else rng.randrange(10, 1000)
+                for _ in range(max_tokens)]
+        abort_at = draw(st.integers(0, 60)) if draw(st.integers(0, 3)) == 0 else None
+        specs.append(Spec(request_id=f"r{i}", prompt_len=draw(st.integers(1, 200)), max_tokens=max_tokens,
+                          arrival=draw(st.integers(0, 30)), ignore_eos=draw(st.booleans()),
+                          use_stop=draw(st.booleans()), abort_at=abort_at, plan=plan))
+    return Workload(block_size, num_blocks, budget, max_num_seqs, chunked, specs)
+
+
+# ---- invariants ------------------------------------------------------------------------------------------------
+def check_blocks(sched: Scheduler) -> None:
+    """Ref counts match the block tables exactly; free blocks are unreferenced; nothing leaks."""
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    held = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    free_ids = list(pool._free_ids)
+    assert len(set(free_ids)) == len(free_ids), "a block is on the free list twice"
+    free_set = set(free_ids)
+    for block in pool.blocks:
+        assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id} ref count"
+        assert (block.ref_cnt == 0) == (block.block_id in free_set), f"block {block.block_id} free-list state"
+    assert pool.num_free_blocks + len(held) == pool.num_blocks
+    # Tables only exist for live requests (a waiting one may hold an empty table after a failed allocation).
+    for request_id, blocks in kv.req_to_blocks.items():
+        request = sched.requests.get(request_id)
+        assert request is not None, f"finished request {request_id} still has a block table"
+        if request.status != RequestStatus.RUNNING:
+            assert blocks == [], f"{request_id} is {request.status.name} but holds blocks"
+
+
+def check_running_tables(sched: Scheduler, scheduled_tokens: dict[str, int]) -> None:
+    bs = sched.kv_cache_manager.block_size
+    for request in sched.running:
+        assert request.status == RequestStatus.RUNNING
+        want = cdiv(request.num_computed_tokens + scheduled_tokens.get(request.request_id, 0), bs)
+        assert len(sched.kv_cache_manager.get_block_ids(request.request_id)) == want, request.request_id
+    for request in sched.waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert request.num_computed_tokens == 0
+        assert sched.kv_cache_manager.get_block_ids(request.request_id) == []
+
+
+def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, int]]:
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=w.max_num_seqs,
+                             max_num_batched_tokens=w.max_num_batched_tokens, enable_chunked_prefill=w.chunked)
+    sched = Scheduler(config, KVCacheManager(w.num_blocks, w.block_size))
+    bs = w.block_size
+    specs = {s.request_id: s for s in w.specs}
+    requests: dict[str, Request] = {}
+    aborted_at: dict[str, int] = {}
+    last_arrival = max(s.arrival for s in w.specs)
+    # Each step the oldest running request computes at least one token and is never preempted, so every
+    # request needs at most max_model_len steps of its own.
+    max_steps = last_arrival + len(w.specs) * MAX_MODEL_LEN + 10
+
+    step = 0
+    while True:
+        for s in w.specs:
+            if s.arrival == step:
+                requests[s.request_id] = s.make_request()
+                sched.add_request(requests[s.request_id])
+        to_abort = [s.request_id for s in w.specs if s.abort_at == step and s.request_id in requests]
+        if to_abort:
+            live = {r for r in to_abort if not requests[r].is_finished}
+            aborted = sched.abort_requests(to_abort + ["no-such-request"])
+            assert {r.request_id for r in aborted} == live
+            for r in live:
+                aborted_at[r] = step
+                assert requests[r].status == RequestStatus.FINISHED_ABORTED
+            check_blocks(sched)
+            check_running_tables(sched, {})
+        if not sched.has_unfinished_requests() and step >= last_arrival:
+            break
+        assert step < max_steps, f"no progress after {step} steps"
+
+        running_before = [r.request_id for r in sched.running]
+        waiting_before = [r.request_id for r in sched.waiting]
+        had_work = sched.has_unfinished_requests()
+        out = sched.schedule()
+
+        # -- limits
+        assert out.total_num_scheduled_tokens <= w.max_num_batched_tokens
+        assert len(out.scheduled) <= w.max_num_seqs
+        assert len(sched.running) <= w.max_num_seqs
+        assert not had_work or not out.is_empty, "unfinished requests but nothing scheduled"
+
+        # -- order: running first (oldest first), then waiting in queue order; preemption takes the newest
+        order = [s.request_id for s in out.scheduled]
+        assert len(set(order)) == len(order)
+        preempted = out.preempted_req_ids
+        assert preempted == running_before[::-1][:len(preempted)]
+        still_running = [r for r in running_before if r not in preempted]
+        n_old = sum(1 for r in order if r in running_before)
+        assert order[:n_old] == still_running[:n_old]
+        admitted = order[n_old:]
+        assert admitted == waiting_before[:len(admitted)]
+        if admitted:
+            assert n_old == len(still_running)
+        if preempted:
+            assert admitted == [], "admitted new work in a step that preempted"
+            assert [r.request_id for r in sched.waiting] == preempted[::-1] + waiting_before
+        assert [r.request_id for r in sched.running] == still_running + admitted
+        for r in preempted:
+            req = requests[r]
+            assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+            assert sched.kv_cache_manager.get_block_ids(r) == []
+
+        # -- each scheduled chunk: contiguous, the right tokens, room in the cache, sampled only at the end
+        scheduled_tokens = {}
+        for s in out.scheduled:
+            req = requests[s.request_id]
+            spec = specs[s.request_id]
+            assert req.status == RequestStatus.RUNNING
+            assert s.num_tokens >= 1
+            assert s.num_computed_tokens == req.num_computed_tokens
+            end = s.num_computed_tokens + s.num_tokens
+            assert end <= req.num_tokens <= MAX_MODEL_LEN
+            truth = spec.prompt + spec.plan[:req.num_output_tokens]
+            assert s.token_ids == truth[s.num_computed_tokens:end]
+            assert s.needs_sample == (end == req.num_tokens)
+            if not w.chunked:
+                assert s.needs_sample, "a prompt was split with chunked prefill disabled"
+            assert s.block_ids == sched.kv_cache_manager.get_block_ids(s.request_id)
+            assert len(s.block_ids) == cdiv(end, bs)
+            scheduled_tokens[s.request_id] = s.num_tokens
+        check_blocks(sched)
+        check_running_tables(sched, scheduled_tokens)
+
+        # -- the fake model
+        sampled = {s.request_id: specs[s.request_id].plan[requests[s.request_id].num_output_tokens]
+                   for s in out.scheduled if s.needs_sample}
+        computed_before = {r: requests[r].num_computed_tokens for r in order}
+        outputs_before = {r: requests[r].num_output_tokens for r in order}
+        updated, finished = sched.update_from_output(out, sampled)
+        assert {r.request_id for r in updated} == set(sampled)
+        for s in out.scheduled:
+            req = requests[s.request_id]
+            assert req.num_computed_tokens == computed_before[s.request_id] + s.num_tokens
+            assert req.num_output_tokens == outputs_before[s.request_id] + (1 if s.needs_sample else 0)
+        for req in finished:
+            assert req.is_finished and req not in sched.running
+            assert req.request_id not in sched.kv_cache_manager.req_to_blocks
+        for req in sched.running:
+            assert not req.is_finished
+        check_blocks(sched)
+        check_running_tables(sched, {})
+        step += 1
+
+    return sched, requests, aborted_at
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_scheduler_invariants_on_random_workloads(w: Workload):
+    note(f"block_size={w.block_size} num_blocks={w.num_blocks} budget={w.max_num_batched_tokens} "
+         f"max_num_seqs={w.max_num_seqs} chunked={w.chunked}")
+    sched, requests, aborted_at = run_workload(w)
+
+    kv = sched.kv_cache_manager
+    assert kv.block_pool.num_free_blocks == kv.num_blocks
+    assert kv.req_to_blocks == {}
+    assert sched.requests == {} and not sched.running and not sched.waiting
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert sched.num_preemptions_total == sum(r.num_preemptions for r in requests.values())
+    event(f"preempted: {sched.num_preemptions_total > 0}")
+
+    for spec in w.specs:
+        req = requests[spec.request_id]
+        assert req.is_finished
+        want, reason = spec.expected(MAX_MODEL_LEN)
+        if spec.request_id in aborted_at:
+            assert req.finish_reason == "abort"
+            assert req.output_token_ids == want[:req.num_output_tokens]
+            assert req.num_output_tokens < len(want)
+        else:
+            assert req.output_token_ids == want, spec.request_id
+            assert req.finish_reason == reason
+            if reason == "stop":
+                assert req.stop_reason == (STOP if want[-1] == STOP else None)
+        assert req.all_token_ids == spec.prompt + req.output_token_ids
+
+
+def test_tiny_pool_workload_preempts_and_completes():
+    """A fixed workload that must preempt (many long requests, the smallest pool), run through the same checks."""
+    rng = random.Random(0)
+    specs = [Spec(f"r{i}", prompt_len=150 + 5 * i, max_tokens=40, arrival=i % 3, ignore_eos=True, use_stop=False,
+                  abort_at=None, plan=[rng.randrange(10, 1000) for _ in range(40)]) for i in range(6)]
+    w = Workload(block_size=16, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, chunked=True,
+                 specs=specs)
+    sched, requests, _ = run_workload(w)
+    assert sched.num_preemptions_total > 0
+    for spec in specs:
+        assert requests[spec.request_id].output_token_ids == spec.expected(MAX_MODEL_LEN)[0]
