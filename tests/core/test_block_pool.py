@@ -142,7 +142,8 @@ class TestBlockPool:
         (block,) = pool.allocate(1)
         with pytest.raises(DOUBLE_FREE_ERRORS):
             pool.free([block, block])
-        assert block.ref_cnt == 0
+        assert block.ref_cnt == 1  # checked before anything is released
+        assert free_list(pool) == [1, 2]
         assert sorted(free_list(pool)) == [0, 1, 2]
 
     def test_freeing_a_never_allocated_block_is_an_error(self):
