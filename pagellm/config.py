@@ -14,11 +14,15 @@ _DTYPES = {
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
+    device_name = str(device)
+    if device_name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {str(device)!r}.")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device_name!r}.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but no CUDA device is available; use device='cpu'.")
     return device

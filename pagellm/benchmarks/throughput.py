@@ -54,8 +54,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-seed", type=int, default=0)
     parser.add_argument("--backend", choices=["pagellm", "hf", "both"], default="pagellm")
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
-    parser.add_argument("--hf-max-batch-tokens", type=int, default=4096,
-                        help="cap on padded prompt+output length x batch size of one HF generate call")
+    parser.add_argument("--hf-max-len", type=int, default=2048,
+                        help="longest padded prompt + output of one HF generate call (as vLLM's HF baseline)")
 
 
 def make_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
@@ -80,14 +80,14 @@ def run_pagellm(llm, requests: list[BenchRequest]) -> BenchResult:
 
 
 def run_hf(model, requests: list[BenchRequest], pad_token_id: int, max_batch_size: int,
-           max_batch_tokens: int) -> BenchResult:
+           max_len: int) -> BenchResult:
     from tqdm.auto import tqdm
 
     batches, batch = [], []
     for request in requests:
         candidate = batch + [request]
         padded = max(len(r.prompt_token_ids) for r in candidate) + max(r.output_len for r in candidate)
-        if batch and (len(candidate) > max_batch_size or padded * len(candidate) > max_batch_tokens):
+        if batch and (len(candidate) > max_batch_size or padded > max_len):
             batches.append(batch)
             candidate = [request]
         batch = candidate
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> None:
         hf_model = load_hf_model(model_config.model, model_config.dtype, device)
         pad = model_config.hf_config.pad_token_id
         results.append(run_hf(hf_model, requests, pad if pad is not None else 0, args.hf_max_batch_size,
-                              args.hf_max_batch_tokens))
+                              args.hf_max_len))
     print()
     for result in results:
         print(result.report(useful_flops, peak))

@@ -1,5 +1,6 @@
-"""The KV cache tensors: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer,
-allocated once at start-up."""
+"""The KV cache tensors: one [2, num_kv_heads, num_blocks, block_size, head_dim] tensor per layer, allocated
+once at start-up. Heads are outermost so that gathering a batch's blocks yields [heads, batch, tokens, dim]
+directly in the layout attention's matmuls want."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +19,7 @@ class CacheEngine:
                  device: torch.device) -> None:
         self.num_blocks = num_blocks
         self.block_size = cache_config.block_size
-        shape = (2, num_blocks, cache_config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        shape = (2, model_config.num_kv_heads, num_blocks, cache_config.block_size, model_config.head_dim)
         self.kv_caches = [zeros(shape, model_config.dtype, device) for _ in range(model_config.num_layers)]
 
 

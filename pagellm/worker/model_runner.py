@@ -78,7 +78,7 @@ class ModelRunner:
             seq_lens = positions[:n] + 1
             decode_tables = self._to_device(np.ascontiguousarray(block_table[:n, :decode_blocks]))
             mask = np.arange(decode_blocks * bs)[None, :] < seq_lens[:, None]
-            decode_mask = self._to_device(mask[:, None, None, :])
+            decode_mask = self._to_device(mask[None, :, None, :])
         chunks = [
             PrefillChunk(query_start=int(starts[i]), query_len=r.num_tokens, context_len=r.num_computed_tokens,
                          block_ids=self._to_device(np.array(r.block_ids, dtype=np.int64)))

@@ -10,6 +10,7 @@ from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagellm.worker.host_allocator import keep_large_allocations_on_heap
 from pagellm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -35,6 +36,8 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            keep_large_allocations_on_heap()
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:

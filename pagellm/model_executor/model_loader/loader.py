@@ -31,8 +31,9 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -49,12 +50,18 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise OSError(f"Short read from {path}.")
     (header_len,) = struct.unpack("<Q", bytes(buffer[:8].tolist()))
     header = json.loads(bytes(buffer[8:8 + header_len].numpy()))
-    data = buffer[8 + header_len:]
+    data_start = 8 + header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        start, end = info["data_offsets"]
-        yield name, data[start:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).view(info["shape"])
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported safetensors dtype {info['dtype']!r}.")
+        start, end = (data_start + offset for offset in info["data_offsets"])
+        raw = buffer[start:end]
+        if start % dtype.itemsize:  # the format does not promise alignment; a view needs it
+            raw = raw.clone()
+        yield name, raw.view(dtype).view(info["shape"])
 
 
 def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,140 @@
+"""End-to-end correctness: pagellm's greedy tokens equal Hugging Face transformers' (float32, unbatched) for a
+batch of prompts of very different lengths generated together in one `LLM.generate` call.
+
+Tiny random-weight checkpoints cover each supported architecture (Llama, Llama with llama3 rope scaling,
+Qwen2 with q/k/v biases, Qwen3 with q/k norms); the real default model (SmolLM2-135M-Instruct, from its GGUF
+file) covers real text and the chat path, where the reference is transformers' own GGUF loader.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+
+TINY_KINDS = ["llama", "llama3", "qwen2", "qwen3"]
+# 1 token up to 150; several cross the llama3 kind's original_max_position_embeddings (64).
+TINY_PROMPT_LENS = [1, 2, 5, 13, 31, 64, 97, 150]
+TINY_NEW_TOKENS = 20
+TINY_MAX_MODEL_LEN = 256
+
+SMOL_NEW_TOKENS = 24
+SMOL_PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a dragon who",
+    "1, 2, 3, 4,",
+    "Write a short poem about the sea.",
+    "The quick brown fox",
+    # ~150 tokens
+    "Explain the theory of relativity in simple terms, step by step, for a curious twelve-year-old who likes "
+    "trains. " * 6,
+]
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+CHAT_MAX_TOKENS = 32
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+
+
+@pytest.fixture(scope="module", params=TINY_KINDS)
+def tiny_case(request, tiny_model_factory, make_token_prompts, hf_greedy):
+    """(kind, model dir, prompts, HF greedy continuations), the reference computed once per kind."""
+    from transformers import AutoModelForCausalLM
+
+    kind = request.param
+    model_dir = tiny_model_factory(kind)
+    prompts = make_token_prompts(TINY_PROMPT_LENS, seed=TINY_KINDS.index(kind))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = [hf_greedy(hf, p["prompt_token_ids"], TINY_NEW_TOKENS) for p in prompts]
+    del hf
+    return kind, model_dir, prompts, expected
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 40], ids=["one-step-prefill", "chunked-40"])
+def test_tiny_batch_greedy_matches_hf(tiny_case, max_num_batched_tokens, no_leaks):
+    kind, model_dir, prompts, expected = tiny_case
+    llm = LLM(model=str(model_dir), max_model_len=TINY_MAX_MODEL_LEN, kv_cache_memory_bytes=8 << 20,
+              max_num_batched_tokens=max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=TINY_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+
+    assert len(outputs) == len(prompts)
+    for i, (prompt, out, ref) in enumerate(zip(prompts, outputs, expected)):
+        assert out.prompt_token_ids == prompt["prompt_token_ids"]
+        completion = out.outputs[0]
+        assert len(ref) == TINY_NEW_TOKENS
+        assert completion.token_ids == ref, (
+            f"{kind}: prompt #{i} ({len(prompt['prompt_token_ids'])} tokens) diverges from transformers at "
+            f"output token {first_mismatch(completion.token_ids, ref)}: {completion.token_ids} != {ref}")
+        assert completion.finish_reason == "length"
+        assert out.finished
+    no_leaks(llm)
+
+
+# ------------------------------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def smol_llm():
+    # model=None: the default model, resolved from its installed GGUF file.
+    return LLM(max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.fixture(scope="module")
+def smol_hf():
+    """transformers' own loading of the same GGUF file: an independent dequantization and conversion."""
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.model_executor.model_loader.resolve import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def test_smollm2_batch_greedy_matches_hf(smol_llm, smol_hf, hf_greedy, no_leaks):
+    params = SamplingParams(temperature=0.0, max_tokens=SMOL_NEW_TOKENS, ignore_eos=True)
+    outputs = smol_llm.generate(SMOL_PROMPTS, params, use_tqdm=False)
+
+    tokenizer = smol_llm.get_tokenizer()
+    lengths = [len(o.prompt_token_ids) for o in outputs]
+    assert min(lengths) == 1 and max(lengths) >= 100, lengths
+    for prompt, out in zip(SMOL_PROMPTS, outputs):
+        assert out.prompt == prompt
+        assert out.prompt_token_ids == tokenizer.encode(prompt)
+        ref = hf_greedy(smol_hf, out.prompt_token_ids, SMOL_NEW_TOKENS)
+        completion = out.outputs[0]
+        assert completion.token_ids == ref, (
+            f"prompt {prompt[:40]!r}: pagellm {tokenizer.decode(completion.token_ids)!r} != "
+            f"transformers {tokenizer.decode(ref)!r}")
+        assert completion.text == tokenizer.decode(ref, skip_special_tokens=True)
+        assert completion.finish_reason == "length"
+    no_leaks(smol_llm)
+
+
+def test_smollm2_chat_matches_hf_and_stops_at_eos(smol_llm, smol_hf, hf_greedy, no_leaks):
+    tokenizer = smol_llm.get_tokenizer()
+    prompt_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    ref = hf_greedy(smol_hf, prompt_ids, CHAT_MAX_TOKENS, eos_token_id=eos)
+    # The conversation is chosen so that the model answers briefly and ends its turn.
+    assert ref[-1] == eos and len(ref) < CHAT_MAX_TOKENS, tokenizer.decode(ref)
+
+    outputs = smol_llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=CHAT_MAX_TOKENS), use_tqdm=False)
+    assert len(outputs) == 1
+    out = outputs[0]
+    assert out.prompt_token_ids == prompt_ids
+    completion = out.outputs[0]
+    assert completion.token_ids == ref, (tokenizer.decode(completion.token_ids), tokenizer.decode(ref))
+    assert completion.finish_reason == "stop"
+    assert completion.stop_reason is None  # stopped by EOS, not by a stop_token_ids entry
+    assert completion.text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert "Paris" in completion.text
+    no_leaks(smol_llm)
