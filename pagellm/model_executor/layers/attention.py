@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import cpu as cpu_kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -30,6 +32,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: flat cache slot of each token's K/V
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the query token
     decode_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size]: True where attended
     prefills: list[PrefillChunk]
 
@@ -62,6 +65,10 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels.load() is not None:
+            # Reads the cache in place: no gathered copy of every sequence's K/V per layer.
+            return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
+                                                      meta.decode_seq_lens, self.scale)
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # Heads outermost: the gather lands as [Hkv, B, L, D], contiguous, so the matmuls need no transposing copy.

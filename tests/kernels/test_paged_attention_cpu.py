@@ -1,0 +1,127 @@
+"""The C decode-attention kernel and the PyTorch paged-attention paths against a plain reference: softmax
+attention over each sequence's keys, written out per sequence with no paging at all."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.kernels import cpu as cpu_kernels
+from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, PrefillChunk
+
+
+def reference_attention(q, keys, values, scale, causal_offset=None):
+    """q [Lq, H, D]; keys/values [Lk, Hkv, D]; query i sees keys 0..causal_offset + i (all when None)."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+    values = values.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys.double()) * scale
+    if causal_offset is not None:
+        allowed = torch.arange(keys.shape[0])[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
+
+
+def random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=0):
+    """A cache whose blocks are shuffled, plus each sequence's block table and its contiguous K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    tables, contiguous = [], []
+    for n, nb in zip(seq_lens, blocks_per_seq):
+        table = [order.pop() for _ in range(nb)]
+        tables.append(table)
+        kv = cache[:, :, table].flatten(2, 3)[:, :, :n]  # [2, Hkv, n, D]
+        contiguous.append(kv.permute(0, 2, 1, 3))  # [2, n, Hkv, D]
+    return cache, tables, contiguous
+
+
+@pytest.fixture(params=["c-kernel", "torch"])
+def decode_backend(request, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    else:
+        assert cpu_kernels.load() is not None, "the C kernel must build on the test machine (gcc is required)"
+    return request.param
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 32, 16), (9, 3, 64, 4), (2, 2, 16, 1)])
+def test_decode_matches_reference(decode_backend, heads, kv_heads, head_dim, block_size):
+    seq_lens = [1, 5, 17, 64, 33, 2]
+    cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size)
+    q = torch.randn(len(seq_lens), heads, head_dim)
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    lens = torch.tensor(seq_lens)
+    mask = (torch.arange(max_blocks * block_size)[None, :] < lens[:, None])[None, :, None, :]
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(seq_lens), block_tables, lens, mask, [])
+    attn = Attention(heads, kv_heads, head_dim)
+    out = attn._decode(q, cache[0], cache[1], meta)
+    for i, (k, v) in enumerate(contiguous):
+        expected = reference_attention(q[i:i + 1], k, v, attn.scale)
+        torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_ignores_garbage_in_padding(decode_backend):
+    """Slots past a sequence's length (padding) may hold anything, even NaN, without affecting the result."""
+    seq_lens = [3, 20]
+    cache, tables, contiguous = random_paged_cache(seq_lens, 2, 16, 8)
+    for n, table in zip(seq_lens, tables):
+        cache[:, :, table[-1], n % 8 or 8:] = float("nan") if decode_backend == "c-kernel" else 1e4
+    q = torch.randn(2, 4, 16)
+    block_tables = torch.tensor([tables[0] + [tables[0][0]] * 2, tables[1]])
+    lens = torch.tensor(seq_lens)
+    mask = (torch.arange(3 * 8)[None, :] < lens[:, None])[None, :, None, :]
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 2, block_tables, lens, mask, [])
+    attn = Attention(4, 2, 16)
+    out = attn._decode(q, cache[0], cache[1], meta)
+    for i, (k, v) in enumerate(contiguous):
+        torch.testing.assert_close(out[i:i + 1], reference_attention(q[i:i + 1], k, v, attn.scale),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_batch_with_chunked_prefill_matches_reference():
+    """Decodes, a fresh prompt and a later chunk of a chunked prefill, in one flat batch through forward()."""
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    attn = Attention(heads, kv_heads, head_dim)
+    gen = torch.Generator().manual_seed(1)
+    # Full sequences: two decoding (lengths 7 and 12 incl. the new token), a 6-token prompt, and a sequence of
+    # 10 tokens whose first 4 are already cached (a second chunk of 6).
+    full_lens, cached = [7, 12, 6, 10], [6, 11, 0, 4]
+    keys = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in full_lens]
+    values = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in full_lens]
+    queries = [torch.randn(n - c, heads, head_dim, generator=gen) for n, c in zip(full_lens, cached)]
+    num_blocks = sum(-(-n // block_size) for n in full_lens) + 2
+    cache = torch.zeros(2, kv_heads, num_blocks, block_size, head_dim)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(-(-n // block_size))] for n in full_lens]
+
+    def slot(seq, pos):
+        return tables[seq][pos // block_size] * block_size + pos % block_size
+
+    for s, c in enumerate(cached):  # what earlier steps already wrote
+        for p in range(c):
+            flat = cache.view(2, kv_heads, -1, head_dim)
+            flat[0, :, slot(s, p)], flat[1, :, slot(s, p)] = keys[s][p], values[s][p]
+    new = [(s, p) for s in range(4) for p in range(cached[s], full_lens[s])]
+    q = torch.cat(queries)
+    k = torch.stack([keys[s][p] for s, p in new])
+    v = torch.stack([values[s][p] for s, p in new])
+    max_blocks = max(len(t) for t in tables[:2])
+    lens = torch.tensor(full_lens[:2])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([slot(s, p) for s, p in new]),
+        num_decodes=2,
+        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:2]]),
+        decode_seq_lens=lens,
+        decode_mask=(torch.arange(max_blocks * block_size)[None, :] < lens[:, None])[None, :, None, :],
+        prefills=[PrefillChunk(2, 6, 0, torch.tensor(tables[2])), PrefillChunk(8, 6, 4, torch.tensor(tables[3]))],
+    )
+    out = attn(q, k, v, cache, meta).view(-1, heads, head_dim)
+    start = 0
+    for s in range(4):
+        n = full_lens[s] - cached[s]
+        expected = reference_attention(queries[s], keys[s], values[s], attn.scale, causal_offset=cached[s])
+        torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-5)
+        start += n
