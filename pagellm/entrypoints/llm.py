@@ -90,16 +90,22 @@ class LLM:
         outputs: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, input_tokens, output_tokens = time.perf_counter(), 0, 0
-        while engine.has_unfinished_requests():
-            finished, num_generated = engine.step()
-            output_tokens += num_generated
-            for output in finished:
-                outputs[order[output.request_id]] = output
-                input_tokens += len(output.prompt_token_ids)
-                bar.update(1)
-            if finished and use_tqdm:
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"input: {input_tokens / elapsed:.1f} toks/s, "
-                                    f"output: {output_tokens / elapsed:.1f} toks/s")
-        bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                finished, num_generated = engine.step()
+                output_tokens += num_generated
+                for output in finished:
+                    outputs[order[output.request_id]] = output
+                    input_tokens += len(output.prompt_token_ids)
+                    bar.update(1)
+                if finished and use_tqdm:
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"input: {input_tokens / elapsed:.1f} toks/s, "
+                                        f"output: {output_tokens / elapsed:.1f} toks/s")
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: release every request of this call so the engine stays usable.
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
         return outputs

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def get_tokenizer(path: str | Path, chat_template: str | None = None):
+def get_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     try:
@@ -12,8 +12,6 @@ def get_tokenizer(path: str | Path, chat_template: str | None = None):
     except Exception as exc:
         raise ValueError(f"Could not load a tokenizer from {path}: {exc}. Pass tokenizer=<dir with "
                          f"tokenizer.json or tokenizer.model>.") from exc
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
     return tokenizer
 
 

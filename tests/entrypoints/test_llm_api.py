@@ -326,6 +326,27 @@ def test_one_bad_prompt_queues_nothing(llm, make_token_prompts, single_results, 
     no_leaks(llm)
 
 
+def test_interrupted_generate_releases_its_requests(llm, single_results, monkeypatch, no_leaks):
+    """Ctrl-C (or any failure) in the middle of generate(): the call's requests are aborted, blocks freed."""
+    engine = llm.llm_engine
+    real_step, calls = engine.step, []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(TEXTS, greedy(max_tokens=20), use_tqdm=False)
+    monkeypatch.undo()
+    assert engine_is_idle(llm)
+    outputs = llm.generate(TEXTS, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [single_results[t] for t in TEXTS]
+    no_leaks(llm)
+
+
 @pytest.mark.parametrize("prompt", [
     "",
     {"prompt_token_ids": []},
