@@ -40,7 +40,14 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
-        aborted = []
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus,
+                        stop_reasons: dict[str, int | str] | None = None) -> list[Request]:
+        """Finish requests from outside the step (aborts; stop strings found in the detokenized text) and free
+        their blocks at once. Unknown or already finished ids are ignored. Returns the requests finished."""
+        assert status.is_finished, status
+        finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
@@ -49,9 +56,11 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            aborted.append(request)
-        return aborted
+            if stop_reasons and request_id in stop_reasons:
+                request.stop_reason = stop_reasons[request_id]
+            self._finish(request, status)
+            finished.append(request)
+        return finished
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.request import Request
+from pagellm.engine.request import Request, RequestStatus
 from pagellm.executor.uniproc_executor import UniProcExecutor
 from pagellm.logger import init_logger
 from pagellm.worker.cache_engine import kv_bytes_per_block
@@ -37,6 +37,10 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus,
+                        stop_reasons: dict[str, int | str] | None = None) -> list[Request]:
+        return self.scheduler.finish_requests(request_ids, status, stop_reasons)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

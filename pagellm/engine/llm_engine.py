@@ -6,6 +6,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.request import RequestStatus
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
@@ -28,16 +29,30 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> int:
         """Validate and queue a request; returns its prompt length. Raises ValueError on bad input."""
         request = self.input_processor.process(request_id, prompt, params)
+        self.output_processor.add_request(request)
         self.engine_core.add_request(request)
         return request.num_prompt_tokens
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
+        self.output_processor.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
     def step(self) -> tuple[list[RequestOutput], int]:
         """Run one step. Returns the outputs of requests that finished, and how many tokens were generated."""
-        updated, finished = self.engine_core.step()
-        return [self.output_processor.make_output(r) for r in finished], len(updated)
+        outputs, num_generated = self.step_outputs()
+        return [o for o in outputs if o.finished], num_generated
+
+    def step_outputs(self, delta: bool = False) -> tuple[list[RequestOutput], int]:
+        """Run one step. Returns a RequestOutput for every request that got a token (for streaming: unfinished
+        ones carry only text no stop string can retract; `delta` gives only what is new since the last
+        step), and how many tokens were generated."""
+        updated, _ = self.engine_core.step()
+        processed = self.output_processor.process_outputs(updated, delta=delta)
+        if processed.stopped:
+            # A stop string ended these: finish them in the core now so their KV blocks go back to the pool.
+            self.engine_core.finish_requests(list(processed.stopped), RequestStatus.FINISHED_STOPPED,
+                                             stop_reasons=dict(processed.stopped))
+        return processed.request_outputs, len(updated)

@@ -17,6 +17,50 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc;
 }
 
+/* Blocks are scattered, so the hardware prefetcher stops at each block's edge: ask for the next one early. */
+static inline void prefetch_block(const float *base, const int64_t *table, int64_t block, int64_t len,
+                                  int64_t block_size, int64_t head_dim) {
+    if (block * block_size >= len) return;
+    const char *start = (const char *)(base + table[block] * block_size * head_dim);
+    const int64_t bytes = block_size * head_dim * (int64_t)sizeof(float);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, 0, 1);
+}
+
+/* One (sequence, kv head): scores of its query-head group against every cached key, softmax, weighted values.
+ * Always inlined into per-head_dim copies below, so the inner loops see a constant length and fully unroll. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *keys, const float *values, const int64_t *table, int64_t len, float *o,
+    float *scores, int64_t group, const int64_t head_dim, int64_t block_size, float scale) {
+    /* Walk block by block: no division per token, and the next block is prefetched. */
+    for (int64_t blk = 0, t0 = 0; t0 < len; blk++, t0 += block_size) {
+        prefetch_block(keys, table, blk + 1, len, block_size, head_dim);
+        const float *k = keys + table[blk] * block_size * head_dim;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, k += head_dim)
+            for (int64_t g = 0; g < group; g++) scores[g * len + t0 + i] = dot(q + g * head_dim, k, head_dim) * scale;
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * len, max = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) max = s[t] > max ? s[t] : max;
+        for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - max); sum += s[t]; }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
+    for (int64_t blk = 0, t0 = 0; t0 < len; blk++, t0 += block_size) {
+        prefetch_block(values, table, blk + 1, len, block_size, head_dim);
+        const float *v = values + table[blk] * block_size * head_dim;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, v += head_dim)
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * len + t0 + i];
+                float *og = o + g * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) og[d] += p * v[d];
+            }
+    }
+}
+
 int paged_decode_attention_f32(const float *query,      /* [B, H, D] */
                                const float *key_cache,  /* [Hkv, num_blocks, block_size, D] */
                                const float *value_cache,
@@ -40,27 +84,10 @@ int paged_decode_attention_f32(const float *query,      /* [B, H, D] */
             const float *values = value_cache + kvh * num_blocks * block_size * head_dim;
             const float *q = query + (b * num_heads + kvh * group) * head_dim;
             float *o = out + (b * num_heads + kvh * group) * head_dim;
-
-            for (int64_t t = 0; t < len; t++) {
-                const float *k = keys + (table[t / block_size] * block_size + t % block_size) * head_dim;
-                for (int64_t g = 0; g < group; g++) scores[g * len + t] = dot(q + g * head_dim, k, head_dim) * scale;
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * len, max = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t < len; t++) max = s[t] > max ? s[t] : max;
-                for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - max); sum += s[t]; }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < len; t++) s[t] *= inv;
-            }
-            memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = values + (table[t / block_size] * block_size + t % block_size) * head_dim;
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * len + t];
-                    float *og = o + g * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) og[d] += p * v[d];
-                }
+            switch (head_dim) {  /* the head sizes of the supported models; others take the generic copy */
+            case 64: attend(q, keys, values, table, len, o, scores, group, 64, block_size, scale); break;
+            case 128: attend(q, keys, values, table, len, o, scores, group, 128, block_size, scale); break;
+            default: attend(q, keys, values, table, len, o, scores, group, head_dim, block_size, scale);
             }
         }
     }

@@ -515,3 +515,20 @@ def test_stats():
     st = sched.stats()
     assert (st.num_running, st.num_waiting, st.num_preemptions_total) == (1, 1, 0)
     assert st.kv_cache_usage == pytest.approx(0.2)  # 8 computed tokens: 2 of 10 blocks (the sample has no slot yet)
+
+
+def test_finish_requests_stopped_by_a_stop_string_frees_blocks_and_sets_stop_reason():
+    sched = make_scheduler(max_num_seqs=2, num_blocks=16, block_size=4)
+    a, b = make_request("a", 5, max_tokens=10), make_request("b", 5, max_tokens=10)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    pool = sched.kv_cache_manager.block_pool
+    finished = sched.finish_requests(["a", "nope"], RequestStatus.FINISHED_STOPPED, stop_reasons={"a": "###"})
+    assert ids(finished) == ["a"]
+    assert (a.finish_reason, a.stop_reason) == ("stop", "###")
+    assert "a" not in sched.requests and "a" not in sched.kv_cache_manager.req_to_blocks
+    assert ids(sched.running) == ["b"] and pool.num_used_blocks == len(blocks_of(sched, "b"))
+    assert sched.finish_requests(["a"], RequestStatus.FINISHED_STOPPED) == []  # already finished: ignored
+    out, _, _ = step(sched)
+    assert out.finished_req_ids == ["a"] and plan(out) == [("b", 1)]
