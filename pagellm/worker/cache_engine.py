@@ -3,7 +3,9 @@ once at start-up. Heads are outermost so that gathering a batch's blocks yields 
 directly in the layout attention's matmuls want."""
 from __future__ import annotations
 
-import numpy as np
+import math
+import mmap
+
 import torch
 
 from pagellm.config import CacheConfig, ModelConfig
@@ -25,10 +27,12 @@ class CacheEngine:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-filled cache memory. The cache must start as zeros, not garbage: padded decode slots are multiplied
-    by a zero probability, and 0 * NaN would poison the output. On CPU, NumPy's calloc-backed zeros leave the
-    pages to the OS to zero on first touch, so a multi-GiB pool costs nothing until it is used."""
+    by a zero probability, and 0 * NaN would poison the output. On CPU an anonymous mapping is zero by definition
+    and the OS fills its pages on first touch, so a multi-GiB pool costs nothing until it is used (and does not
+    depend on how malloc is tuned)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    element_size = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[element_size])
-    return torch.from_numpy(raw).view(dtype)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    memory = mmap.mmap(-1, max(num_bytes, 1))
+    # frombuffer keeps `memory` alive for as long as the tensor lives.
+    return torch.frombuffer(memory, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
