@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm import envs
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -27,11 +28,6 @@ logger = init_logger(__name__)
 _SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PAGELLM_CACHE_DIR") or Path.home() / ".cache" / "pagellm"
-    return Path(root) / "kernels"
 
 
 def _cpu_signature() -> str:
@@ -44,7 +40,7 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, compiler, _cpu_signature()]).encode())
-    target = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    target = envs.cache_root() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -58,7 +54,7 @@ def _build(compiler: str) -> Path:
 
 @cache
 def load() -> ctypes.CDLL | None:
-    if os.environ.get("PAGELLM_DISABLE_C_KERNELS") == "1":
+    if envs.c_kernels_disabled():
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:

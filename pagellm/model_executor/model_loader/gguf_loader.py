@@ -24,6 +24,8 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+
+from pagellm import envs
 from safetensors.torch import save_file
 
 # Bump whenever the output layout changes, so stale cache entries are never reused.
@@ -81,12 +83,12 @@ def convert_gguf_to_hf_dir(
 
 
 def _cache_dir(path: pathlib.Path, cache_root: str | os.PathLike | None) -> pathlib.Path:
-    root = cache_root or os.environ.get("PAGELLM_CACHE_DIR") or "~/.cache/pagellm"
+    root = pathlib.Path(cache_root).expanduser() if cache_root else envs.cache_root()
     st = path.stat()
     ident = f"{CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
     digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:64]
-    return pathlib.Path(root).expanduser() / "gguf" / f"{stem}-{digest}"
+    return root / "gguf" / f"{stem}-{digest}"
 
 
 def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:

@@ -1,0 +1,15 @@
+"""Settings read from the environment, in one place."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Where pagellm keeps converted GGUF checkpoints and built kernels: $PAGELLM_CACHE_DIR or ~/.cache/pagellm."""
+    return Path(os.environ.get("PAGELLM_CACHE_DIR") or "~/.cache/pagellm").expanduser()
+
+
+def c_kernels_disabled() -> bool:
+    """PAGELLM_DISABLE_C_KERNELS=1 forces the PyTorch attention path on CPU."""
+    return os.environ.get("PAGELLM_DISABLE_C_KERNELS") == "1"
