@@ -14,6 +14,20 @@ class SamplingParams:
     A request with a `seed` gets its own random generator, so its tokens do not depend on what else runs.
     `stop` strings end generation when they appear in the detokenized text; the text is cut before the match
     (or after it, with `include_stop_str_in_output`) and `stop_reason` is the matched string.
+
+    Logits processing, in vLLM's order: on the raw logits, repetition_penalty (over prompt + output tokens:
+    positive logits divided, negative multiplied), frequency_penalty and presence_penalty (output tokens only,
+    subtracted per occurrence / once), logit_bias (added; values clamped to [-100, 100] as OpenAI does),
+    bad_words (a single-token word is always banned, a multi-token one only when the generated tokens end with
+    its prefix; each word is tokenized with and without a leading space), and min_tokens (EOS and
+    stop_token_ids masked until min_tokens tokens are generated); then temperature; then min_p (drop tokens
+    whose probability is below min_p times the largest), top_k and top_p. Greedy rows take the argmax after the
+    penalties.
+
+    `logprobs=k` returns, per generated token, the top-k tokens plus the sampled one; `prompt_logprobs=k` does
+    the same for every prompt token after the first. Both are computed from the *raw* model logits
+    (log_softmax before temperature, penalties and masks), like vLLM's default "raw_logprobs" mode.
+    `truncate_prompt_tokens=k` keeps only the last k prompt tokens.
     """
 
     temperature: float = 1.0
@@ -28,6 +42,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    # Set by the input processor: bad_words as token id sequences.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -40,6 +66,13 @@ class SamplingParams:
             self.stop = list(self.stop)
         if self.top_k == 0:
             self.top_k = -1
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._verify()
 
     def _verify(self) -> None:
@@ -62,6 +95,31 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True; set detokenize=True "
                              "or use stop_token_ids.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}.")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens!r}.")
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

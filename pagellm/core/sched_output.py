@@ -14,6 +14,11 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sampling_params: SamplingParams
     needs_sample: bool  # False for a prefill chunk that does not reach the end of the known tokens
+    # References to the request's lists (not copies), read by the sampler for penalties, bad words, min_tokens
+    # and prompt logprobs. They are current when the step runs: the scheduler appends only after it.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:

@@ -118,6 +118,9 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             needs_sample=end == request.num_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -130,16 +133,30 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ---- results -----------------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
-        """Advance every scheduled request; returns (requests that got a new token, requests that finished)."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int], logprobs: dict | None = None,
+                           prompt_logprobs: dict | None = None) -> tuple[list[Request], list[Request]]:
+        """Advance every scheduled request; returns (requests that got a new token, requests that finished).
+
+        `logprobs`: request id -> (ids, logprobs, ranks) of its sampled token (first) and top-k tokens.
+        `prompt_logprobs`: request id -> (index of the first entry, entries) for this step's prompt chunk;
+        entries a preempted request already has (recomputed prefill) are not appended again."""
         updated, finished = [], []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None:  # aborted while the step ran
                 continue
             request.num_computed_tokens += scheduled.num_tokens
+            if prompt_logprobs and request.request_id in prompt_logprobs:
+                first, entries = prompt_logprobs[request.request_id]
+                have = len(request.prompt_logprobs)
+                if first <= have:
+                    request.prompt_logprobs.extend(entries[have - first:])
             if not scheduled.needs_sample:
                 continue
+            if logprobs and request.request_id in logprobs:
+                entry = logprobs[request.request_id]
+                request.logprobs.append(entry)
+                request.cumulative_logprob += entry[1][0]
             request.append_output_token(sampled[request.request_id])
             updated.append(request)
             status = self._check_stop(request)

@@ -52,4 +52,5 @@ class EngineCore:
             # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
             raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
         result = self.executor.execute_model(output)
-        return self.scheduler.update_from_output(output, result.sampled_token_ids)
+        return self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
+                                                 result.prompt_logprobs)

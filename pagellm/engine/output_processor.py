@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.request import Request
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
@@ -22,6 +22,8 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None  # None with detokenize=False
     num_processed_tokens: int = 0  # output tokens already fed to the detokenizer
     stop_reason: str | None = None  # the stop string that ended it, once found
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # converted so far
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once complete
 
 
 class OutputProcessor:
@@ -77,8 +79,23 @@ class OutputProcessor:
             finish_reason, stop_reason = request.finish_reason, request.stop_reason
         detokenizer = state.detokenizer
         text = detokenizer.get_next_output_text(finished, delta) if detokenizer is not None else ""
+        params = request.sampling_params
+        logprobs = cumulative = None
+        if params.logprobs is not None:
+            state.logprobs += [self._to_logprobs(e) for e in request.logprobs[len(state.logprobs):]]
+            logprobs, cumulative = list(state.logprobs), request.cumulative_logprob
+        if (params.prompt_logprobs is not None and state.prompt_logprobs is None
+                and len(request.prompt_logprobs) >= request.num_prompt_tokens - 1):
+            state.prompt_logprobs = [None] + [self._to_logprobs(e) for e in request.prompt_logprobs]
         completion = CompletionOutput(index=0, text=text, token_ids=list(request.output_token_ids),
+                                      cumulative_logprob=cumulative, logprobs=logprobs,
                                       finish_reason=finish_reason if finished else None,
                                       stop_reason=stop_reason if finished else None)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished)
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
+                             prompt_logprobs=state.prompt_logprobs)
+
+    def _to_logprobs(self, entry: tuple[list[int], list[float], list[int]]) -> dict[int, Logprob]:
+        ids, values, ranks = entry
+        texts = self.tokenizer.batch_decode([[t] for t in ids])
+        return {t: Logprob(v, r, text) for t, v, r, text in zip(ids, values, ranks, texts)}

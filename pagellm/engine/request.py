@@ -47,6 +47,11 @@ class Request:
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
+    # With sampling_params.logprobs: per output token, (token ids, logprobs, ranks) with the sampled token first.
+    logprobs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # With sampling_params.prompt_logprobs: one entry per prompt token after the first, same form.
+    prompt_logprobs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -5,7 +5,7 @@ pinned host buffers and copied with non_blocking=True.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,13 +13,18 @@ import torch
 from pagellm.config import ModelConfig
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
-from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors
+from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists
+from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 
 
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
+    # request id -> (ids, logprobs, ranks) of the sampled token (first) and its top-k, for requests that asked.
+    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    # request id -> (index of the first entry, entries): prompt logprobs of this step's prefill chunk.
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
 
 @dataclass
@@ -29,6 +34,8 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled: list[ScheduledRequest]  # requests whose last token's logits are sampled, in logits order
+    # (request, flat index of its first token this step): prefill chunks whose prompt logprobs are wanted
+    prompt_logprobs: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -89,8 +96,11 @@ class ModelRunner:
         logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1
         meta = AttentionMetadata(self._to_device(slot_mapping), len(decodes), decode_tables, decode_seq_lens,
                                  decode_mask, chunks)
+        prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
+                           if r.sampling_params.prompt_logprobs is not None
+                           and r.num_computed_tokens < len(r.prompt_token_ids) - 1]
         return ModelInputs(self._to_device(input_ids), self._to_device(positions), meta,
-                           self._to_device(logits_indices), [ordered[i] for i in sampled_rows])
+                           self._to_device(logits_indices), [ordered[i] for i in sampled_rows], prompt_logprobs)
 
     def sampling_tensors(self, requests: list[ScheduledRequest]) -> SamplingTensors:
         params = [r.sampling_params for r in requests]
@@ -104,7 +114,7 @@ class ModelRunner:
                     generator = torch.Generator(self.device).manual_seed(p.seed)
                     self.generators[request.request_id] = generator
                 generators[row] = generator
-        return SamplingTensors(
+        tensors = SamplingTensors(
             temperature=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
                                      dtype=torch.float32, device=self.device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
@@ -113,7 +123,57 @@ class ModelRunner:
             needs_top_k=any(k < vocab for k in top_k),
             needs_top_p=any(p.top_p < 1.0 for p in params),
             generators=generators,
+            num_logprobs=[p.logprobs for p in params],
         )
+        if any(p.min_p > 0.0 and not p.is_greedy for p in params):
+            tensors.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+        if any(p.needs_penalties for p in params):
+            # Token lists only for the rows with a penalty; the others get padding (no effect).
+            penalized = [p.needs_penalties for p in params]
+            tensors.prompt_tokens = pad_token_lists(
+                [r.prompt_token_ids if on else () for r, on in zip(requests, penalized)], vocab, self.device)
+            tensors.output_tokens = pad_token_lists(
+                [r.output_token_ids if on else () for r, on in zip(requests, penalized)], vocab, self.device)
+            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+                setattr(tensors, name, torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
+                                                    device=self.device))
+        bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
+        for row, (request, p) in enumerate(zip(requests, params)):
+            if p.logit_bias:
+                bias_rows += [row] * len(p.logit_bias)
+                bias_ids += list(p.logit_bias)
+                bias_values += list(p.logit_bias.values())
+            banned = []
+            if p._bad_words_token_ids:
+                banned += bad_words_bans(p._bad_words_token_ids, request.output_token_ids)
+            if len(request.output_token_ids) < p.min_tokens:
+                banned += p.stop_token_ids
+                if not p.ignore_eos:
+                    banned += request.eos_token_ids
+            ban_rows += [row] * len(banned)
+            ban_ids += banned
+        if bias_rows:
+            tensors.logit_bias = (torch.tensor(bias_rows, device=self.device),
+                                  torch.tensor(bias_ids, device=self.device),
+                                  torch.tensor(bias_values, dtype=torch.float32, device=self.device))
+        if ban_rows:
+            tensors.bans = (torch.tensor(ban_rows, device=self.device), torch.tensor(ban_ids, device=self.device))
+        return tensors
+
+    def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs) -> dict[str, tuple[int, list]]:
+        """Logprobs of each prompt token (after the first) from the previous position's raw logits, for the
+        positions of this step's chunk only; later chunks continue where this one ends."""
+        result = {}
+        for request, flat_start in inputs.prompt_logprobs:
+            prompt = request.prompt_token_ids
+            start = request.num_computed_tokens
+            end = min(start + request.num_tokens, len(prompt) - 1)
+            logits = self.model.compute_logits(hidden[flat_start:flat_start + end - start])
+            targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.int64, device=self.device)
+            num = request.sampling_params.prompt_logprobs
+            result[request.request_id] = (start, gather_logprobs(logits.log_softmax(dim=-1), targets,
+                                                                 [num] * (end - start)))
+        return result
 
     # ---- execution ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -124,8 +184,14 @@ class ModelRunner:
             return ModelRunnerOutput({})
         inputs = self.prepare_inputs(output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs) if inputs.prompt_logprobs else {}
         if not inputs.sampled:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        tokens = self.sampler(logits, self.sampling_tensors(inputs.sampled)).tolist()
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(inputs.sampled, tokens)})
+        out = self.sampler(logits, self.sampling_tensors(inputs.sampled))
+        tokens = out.sampled.tolist()
+        logprobs = {}
+        if out.logprobs is not None:
+            logprobs = {r.request_id: lp for r, lp in zip(inputs.sampled, out.logprobs) if lp is not None}
+        return ModelRunnerOutput({r.request_id: t for r, t in zip(inputs.sampled, tokens)}, logprobs,
+                                 prompt_logprobs)

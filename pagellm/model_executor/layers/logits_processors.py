@@ -1,0 +1,66 @@
+"""Logits processors applied on the raw logits before temperature (vLLM's semantics and order).
+
+Dense ones work on the whole batch at once: repetition / frequency / presence penalties from per-row token counts
+built with one scatter-add on the device. Sparse ones (logit_bias entries, banned tokens from bad_words and
+min_tokens) arrive as flat (row, token) index tensors and are applied with one indexed write each; the Python
+loops that find them run over requests, never over the vocabulary.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def apply_penalties(logits: torch.Tensor, prompt_tokens: torch.Tensor, output_tokens: torch.Tensor,
+                    repetition_penalty: torch.Tensor, frequency_penalty: torch.Tensor,
+                    presence_penalty: torch.Tensor) -> torch.Tensor:
+    """logits [B, V]; prompt_tokens [B, Lp] / output_tokens [B, Lo] int64 padded with V (ignored).
+
+    Repetition penalty (tokens seen in the prompt or the output): positive logits are divided by it, negative
+    ones multiplied. Frequency penalty is subtracted once per occurrence in the output, presence penalty once
+    for any occurrence in the output."""
+    batch, vocab = logits.shape
+    counts = torch.zeros(batch, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, output_tokens, torch.ones_like(output_tokens, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    in_prompt = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
+    in_prompt.scatter_(1, prompt_tokens, True)
+    output_mask = counts > 0
+    seen = in_prompt[:, :vocab] | output_mask
+    penalty = torch.where(seen, repetition_penalty.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - frequency_penalty.unsqueeze(1) * counts
+    return logits - presence_penalty.unsqueeze(1) * output_mask.to(logits.dtype)
+
+
+def pad_token_lists(lists: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Rows of token ids -> [B, max_len] int64, padded with `pad` (at least one column)."""
+    width = max(1, max((len(x) for x in lists), default=0))
+    out = torch.full((len(lists), width), pad, dtype=torch.int64)
+    for row, tokens in enumerate(lists):
+        if tokens:
+            out[row, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+    return out.to(device)
+
+
+def bad_words_bans(bad_words_token_ids: Iterable[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """Tokens to ban next: the last token of each bad word whose other tokens end the output so far (a
+    single-token bad word is always banned)."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = list(word[:-1])
+        if not prefix or (len(output_token_ids) >= len(prefix)
+                          and list(output_token_ids[len(output_token_ids) - len(prefix):]) == prefix):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_bias_and_bans(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                        bans: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """bias: (rows, token ids, values) added to the logits; bans: (rows, token ids) set to -inf."""
+    if bias is not None:
+        logits = logits.index_put(bias[:2], bias[2], accumulate=True)
+    if bans is not None:
+        logits = logits.index_put(bans, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    return logits
