@@ -52,8 +52,6 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
-    # Set by the input processor: bad_words as token id sequences.
-    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])

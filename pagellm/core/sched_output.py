@@ -19,6 +19,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

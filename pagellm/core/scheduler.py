@@ -121,6 +121,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
     def _preempt(self, request: Request) -> None:

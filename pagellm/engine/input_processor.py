@@ -33,24 +33,27 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         self._validate_tokens(token_ids)
-        self._validate_params(params)
+        bad_words_token_ids = self._validate_params(params)
         # The scheduler also stops every request at max_model_len tokens in all.
         max_tokens = params.max_tokens or self.model_config.max_model_len
         return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text)
+                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text,
+                       bad_words_token_ids=bad_words_token_ids)
 
-    def _validate_params(self, params: SamplingParams) -> None:
+    def _validate_params(self, params: SamplingParams) -> list[list[int]]:
+        """Check the token ids params name against the vocabulary; returns bad_words tokenized."""
         vocab = self.model_config.vocab_size
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"logit_bias token id {bad[0]} is out of range: ids must be in [0, {vocab}).")
-        params._bad_words_token_ids = self._tokenize_bad_words(params.bad_words or [])
-        for ids in params._bad_words_token_ids:
+        bad_words_token_ids = self.tokenize_bad_words(params.bad_words or [])
+        for ids in bad_words_token_ids:
             if any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab}): {ids}.")
+        return bad_words_token_ids
 
-    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+    def tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """As vLLM: each word without and with a leading space (the latter only when the space gives a different
         first token and the same number of tokens, i.e. a distinct word-start variant)."""
         result: list[list[int]] = []

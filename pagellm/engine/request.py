@@ -46,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sampling_params.bad_words, tokenized
     all_token_ids: list[int] = field(init=False)
     # With sampling_params.logprobs: per output token, (token ids, logprobs, ranks) with the sampled token first.
     logprobs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)

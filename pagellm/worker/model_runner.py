@@ -144,8 +144,8 @@ class ModelRunner:
                 bias_ids += list(p.logit_bias)
                 bias_values += list(p.logit_bias.values())
             banned = []
-            if p._bad_words_token_ids:
-                banned += bad_words_bans(p._bad_words_token_ids, request.output_token_ids)
+            if request.bad_words_token_ids:
+                banned += bad_words_bans(request.bad_words_token_ids, request.output_token_ids)
             if len(request.output_token_ids) < p.min_tokens:
                 banned += p.stop_token_ids
                 if not p.ignore_eos:

@@ -179,7 +179,7 @@ def test_bad_words_never_appear(llm, prompts):
     for words in ([single], [double], [single, double]):
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, bad_words=words)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        banned = params._bad_words_token_ids
+        banned = llm.llm_engine.input_processor.tokenize_bad_words(words)
         assert banned
         for out in outputs:
             for ids in banned:
@@ -191,7 +191,7 @@ def test_bad_words_never_appear(llm, prompts):
     # Sampled rows too.
     params = SamplingParams(temperature=1.5, seed=5, max_tokens=30, ignore_eos=True, bad_words=[single])
     for out in llm.generate(prompts, params, use_tqdm=False):
-        for ids in params._bad_words_token_ids:
+        for ids in llm.llm_engine.input_processor.tokenize_bad_words([single]):
             assert not contains(out.outputs[0].token_ids, ids)
 
 

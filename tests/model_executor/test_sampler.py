@@ -141,7 +141,7 @@ def test_sampler_applies_penalties_bias_bans_for_greedy_rows():
         req(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[top[3]]), "d", output=[1]),
         req(SamplingParams(temperature=0), "e"),
     ]
-    requests[4].sampling_params._bad_words_token_ids = [[top[4]]]
+    requests[4].bad_words_token_ids = [[top[4]]]
     tokens = Sampler()(logits, runner().sampling_tensors(requests)).sampled.tolist()
     assert tokens[0] != top[0] and tokens[1] != top[1] and tokens[2] == 7
     assert tokens[3] != top[3] and tokens[4] != top[4]
