@@ -1,7 +1,9 @@
 """pagellm: a vLLM-class engine for running and serving large language models."""
+from pagellm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagellm.entrypoints.llm import LLM
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "BeamSearchOutput", "BeamSearchSequence", "__version__"]

@@ -28,8 +28,13 @@ class SamplingParams:
     the same for every prompt token after the first. Both are computed from the *raw* model logits
     (log_softmax before temperature, penalties and masks), like vLLM's default "raw_logprobs" mode.
     `truncate_prompt_tokens=k` keeps only the last k prompt tokens.
+
+    `n` sequences are sampled per prompt. The prompt is computed once and its KV blocks are shared by the n
+    sequences (the last, partly filled block is copied when they first write to it). With a seed, sequence i
+    draws from seed + i after the first token (as vLLM seeds its child requests).
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -74,6 +79,8 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -122,3 +129,22 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (vLLM's names): keep the `beam_width` most likely sequences, extending each by its
+    2 * beam_width most likely next tokens every step, for `max_tokens` steps. A candidate ending in EOS (unless
+    `ignore_eos`) is set aside as finished; at the end, finished and live beams are ranked by
+    cum_logprob / len(prompt + generated tokens, EOS excluded) ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")

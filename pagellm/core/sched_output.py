@@ -14,6 +14,7 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sampling_params: SamplingParams
     needs_sample: bool  # False for a prefill chunk that does not reach the end of the known tokens
+    num_samples: int = 1  # n > 1: the first sample draws n tokens from the same logits (one per sequence)
     # References to the request's lists (not copies), read by the sampler for penalties, bad words, min_tokens
     # and prompt logprobs. They are current when the step runs: the scheduler appends only after it.
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -32,6 +33,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests finished since the last step: workers drop their per-request state (e.g. seeded generators).
     finished_req_ids: list[str] = field(default_factory=list)
+    # (source, destination) KV blocks to copy before the forward pass: copy-on-write of shared blocks.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -4,13 +4,19 @@ There are no prefill or decode phases: every request has `num_computed_tokens`, 
 hands out tokens (running requests first, then waiting ones in arrival order) until the budget
 `max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer than the remaining budget is split
 into chunks (when chunked prefill is on), so decodes never stall behind it.
+
+Sequences of one user request (n > 1, beam search) are Requests with the same `group_id`; they are forked from
+one another and share KV blocks (see KVCacheManager). Aborting a group id aborts all of them.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from pagellm.config import SchedulerConfig
+from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.engine.request import Request, RequestStatus
@@ -33,13 +39,30 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self._finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
+        self.groups: dict[str, set[str]] = {}  # group id -> ids of its live sequences
+        self.beam_groups: dict[str, BeamGroup] = {}
+        self._finished_beam_groups: list[BeamGroup] = []
 
     # ---- request lifecycle -------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.requests[request.request_id] = request
+    def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
+        if request.group_id in self.groups or request.request_id in self.requests:
+            raise ValueError(f"Request id {request.group_id!r} is already in use; give each request a unique id.")
+        if beam_group is not None:
+            request.beam_group = beam_group
+            beam_group.beams = [request]
+            self.beam_groups[beam_group.request_id] = beam_group
+        self._track(request)
         self.waiting.append(request)
 
-    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+    def _track(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.groups.setdefault(request.group_id, set()).add(request.request_id)
+
+    def abort_requests(self, group_ids: list[str]) -> list[Request]:
+        """Abort every sequence of these requests (user request ids)."""
+        request_ids = [rid for gid in group_ids for rid in sorted(self.groups.get(gid, ()))]
+        for group_id in group_ids:
+            self.beam_groups.pop(group_id, None)
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus,
@@ -79,6 +102,9 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new == 0:  # a beam waiting for its siblings' candidates
+                index += 1
+                continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -92,8 +118,16 @@ class Scheduler:
             index += 1
 
         # Admitting new work while preempting would only thrash the cache.
-        while (self.waiting and not output.preempted_req_ids and token_budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        if not output.preempted_req_ids:
+            self._admit_waiting(output, token_budget)
+        if not output.scheduled and self.waiting and self.running:
+            self._make_room_for_waiting(output)
+            self._admit_waiting(output, token_budget)
+        output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
+        return output
+
+    def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > token_budget and not self.config.enable_chunked_prefill:
@@ -103,45 +137,74 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             output.scheduled.append(self._schedule(request, num_new))
             token_budget -= num_new
-        return output
+
+    def _make_room_for_waiting(self, output: SchedulerOutput) -> None:
+        """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not
+        fit (in the pool, or under max_num_seqs). Preempt other requests' sequences (newest first, to the back of the queue) until it does; a beam
+        group alone always fits the pool (checked when it is added)."""
+        head = self.waiting[0]
+        need = self.kv_cache_manager.num_blocks_for_tokens(head.num_tokens)
+        for victim in reversed(list(self.running)):
+            if (self.kv_cache_manager.block_pool.num_free_blocks >= need
+                    and len(self.running) < self.config.max_num_seqs):
+                break
+            if victim.group_id == head.group_id:
+                continue
+            self.running.remove(victim)
+            self._preempt(victim, to_front=False)
+            output.preempted_req_ids.append(victim.request_id)
 
     def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        needs_sample = end == request.num_tokens
+        # n > 1: the first sample is drawn n times from the same logits, then the request forks.
+        forks = needs_sample and request.num_output_tokens == 0 and request.beam_group is None
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
-            needs_sample=end == request.num_tokens,
+            needs_sample=needs_sample,
+            num_samples=request.sampling_params.n if forks else 1,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
             bad_words_token_ids=request.bad_words_token_ids,
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, to_front: bool = True) -> None:
         """Recompute preemption: drop the K/V, keep the tokens, and go back to the front of the line."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.beam_candidates = None  # sampled again after the recompute
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        if to_front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     # ---- results -----------------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int], logprobs: dict | None = None,
-                           prompt_logprobs: dict | None = None) -> tuple[list[Request], list[Request]]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+                           logprobs: dict[str, list] | None = None, prompt_logprobs: dict | None = None
+                           ) -> tuple[list[Request], list[Request]]:
         """Advance every scheduled request; returns (requests that got a new token, requests that finished).
 
-        `logprobs`: request id -> (ids, logprobs, ranks) of its sampled token (first) and top-k tokens.
+        `sampled`: request id -> its sampled tokens (n of them when the request forks into n sequences).
+        `logprobs`: request id -> one (ids, logprobs, ranks) entry per sampled token, the token first, then top-k.
         `prompt_logprobs`: request id -> (index of the first entry, entries) for this step's prompt chunk;
-        entries a preempted request already has (recomputed prefill) are not appended again."""
+        entries a preempted request already has (recomputed prefill) are not appended again.
+        Beams get no token here: their candidates are stored, and their group advances once all have them."""
         updated, finished = [], []
+        ready_groups: list[BeamGroup] = []
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
             if request is None:  # aborted while the step ran
@@ -154,18 +217,85 @@ class Scheduler:
                     request.prompt_logprobs.extend(entries[have - first:])
             if not scheduled.needs_sample:
                 continue
-            if logprobs and request.request_id in logprobs:
-                entry = logprobs[request.request_id]
-                request.logprobs.append(entry)
-                request.cumulative_logprob += entry[1][0]
-            request.append_output_token(sampled[request.request_id])
-            updated.append(request)
-            status = self._check_stop(request)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                finished.append(request)
+            entries = (logprobs or {}).get(request.request_id) or [None] * scheduled.num_samples
+            group = request.beam_group
+            if group is not None:
+                ids, values, _ = entries[0]
+                request.beam_candidates = (ids[1:], values[1:])  # the top-k, after the sampled (argmax) token
+                if group.ready:
+                    ready_groups.append(group)
+                continue
+            tokens = sampled[request.request_id]
+            sequences = [request] + self._fork_samples(request, len(tokens) - 1)
+            for sequence, token, entry in zip(sequences, tokens, entries):
+                if entry is not None:
+                    sequence.logprobs.append(entry)
+                    sequence.cumulative_logprob += entry[1][0]
+                sequence.append_output_token(token)
+                updated.append(sequence)
+                status = self._check_stop(sequence)
+                if status is not None:
+                    self.running.remove(sequence)
+                    self._finish(sequence, status)
+                    finished.append(sequence)
+        for group in ready_groups:
+            self._advance_beams(group)
         return updated, finished
+
+    def _fork_samples(self, request: Request, num_forks: int) -> list[Request]:
+        """n > 1: sequences 1..n-1 of `request`, sharing its blocks, running right after it. With a seed, sequence
+        i continues from seed + i."""
+        children = []
+        position = self.running.index(request) + 1
+        for index in range(1, num_forks + 1):
+            params = request.sampling_params
+            params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            child = request.fork(f"{request.group_id}/{index}", index, params)
+            self.kv_cache_manager.fork(request, child)
+            self._track(child)
+            self.running.insert(position, child)
+            position += 1
+            children.append(child)
+        return children
+
+    def _advance_beams(self, group: BeamGroup) -> None:
+        """Apply the group's choice: beams chosen k times fork k - 1 copies, beams not chosen are freed."""
+        choices = group.select()
+        by_parent: dict[Request, list] = {}
+        for choice in choices:
+            by_parent.setdefault(choice.parent, []).append(choice)
+        for beam in group.beams:
+            beam.beam_candidates = None
+            if beam not in by_parent:
+                self.running.remove(beam)
+                self._finish(beam, RequestStatus.FINISHED_ABORTED)
+        beams = []
+        for parent, picks in by_parent.items():
+            # Forks copy the parent's tokens, so they are made before the parent takes its own next token.
+            for choice in picks[1:]:
+                child = parent.fork(group.next_beam_id(), 0)
+                self.kv_cache_manager.fork(parent, child)
+                self._track(child)
+                self.running.insert(self.running.index(parent) + 1, child)
+                child.append_output_token(choice.token_id)
+                child.cumulative_logprob = choice.cum_logprob
+                beams.append(child)
+            parent.append_output_token(picks[0].token_id)
+            parent.cumulative_logprob = picks[0].cum_logprob
+            beams.append(parent)
+        beams.sort(key=lambda b: b.cumulative_logprob, reverse=True)
+        group.beams = beams
+        if group.is_done(self.config.max_model_len):
+            for beam in beams:
+                self.running.remove(beam)
+                self._finish(beam, RequestStatus.FINISHED_LENGTH)
+            group.finish()
+            del self.beam_groups[group.request_id]
+            self._finished_beam_groups.append(group)
+
+    def take_finished_beam_groups(self) -> list[BeamGroup]:
+        groups, self._finished_beam_groups = self._finished_beam_groups, []
+        return groups
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token = request.output_token_ids[-1]
@@ -185,3 +315,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self._finished_req_ids.append(request.request_id)
         del self.requests[request.request_id]
+        members = self.groups[request.group_id]
+        members.discard(request.request_id)
+        if not members:
+            del self.groups[request.group_id]

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from pagellm.config import EngineConfig
+from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
+from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.executor.uniproc_executor import UniProcExecutor
 from pagellm.logger import init_logger
@@ -32,8 +34,8 @@ class EngineCore:
                     "%d-token requests: %.2fx", num_blocks, block_size, size / GiB, num_blocks * block_size,
                     max_len, num_blocks * block_size / max_len)
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
+        self.scheduler.add_request(request, beam_group)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.abort_requests(request_ids)
@@ -45,12 +47,33 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> tuple[list[Request], list[Request]]:
-        """One scheduling step; returns (requests with a new token, requests that finished)."""
+    def step(self) -> EngineCoreOutputs:
+        """One scheduling step; returns what is new for every sequence that got a token, and finished beam
+        searches."""
         output = self.scheduler.schedule()
         if output.is_empty and self.scheduler.has_unfinished_requests():
             # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
             raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
         result = self.executor.execute_model(output)
-        return self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
-                                                 result.prompt_logprobs)
+        updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
+                                                       result.prompt_logprobs)
+        outputs = EngineCoreOutputs([self._snapshot(request) for request in updated])
+        for group in self.scheduler.take_finished_beam_groups():
+            outputs.finished_beam_searches[group.request_id] = group.result()
+        return outputs
+
+    @staticmethod
+    def _snapshot(request: Request) -> EngineCoreOutput:
+        """The sequence's newest token (each update appends exactly one), with its logprobs; prompt logprobs go
+        with the first token of the group's first sequence, when the whole prompt has been computed."""
+        params = request.sampling_params
+        first_token = request.num_output_tokens == 1 and request.index == 0
+        return EngineCoreOutput(
+            request_id=request.request_id, group_id=request.group_id, index=request.index,
+            new_token_ids=request.output_token_ids[-1:],
+            new_logprobs=request.logprobs[-1:] if params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if first_token and params.prompt_logprobs is not None
+            else None,
+            finish_reason=request.finish_reason if request.is_finished else None,
+            stop_reason=request.stop_reason if request.is_finished else None,
+            first_scheduled_time=request.first_scheduled_time)

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from pagellm.config import ModelConfig
+from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagellm.core.beam_group import BeamGroup
 from pagellm.engine.request import Request
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = Union[str, dict[str, Any]]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
 
@@ -39,6 +40,31 @@ class InputProcessor:
         return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text,
                        bad_words_token_ids=bad_words_token_ids)
+
+    def process_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                            cache_config: CacheConfig, scheduler_config: SchedulerConfig
+                            ) -> tuple[Request, BeamGroup]:
+        """The first beam (the prompt) and its group. Every beam samples greedily and reports its
+        2 * beam_width most likely next tokens; the group's EOS handling replaces the per-request one."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        text, token_ids = self.tokenize(prompt)
+        self._validate_tokens(token_ids)
+        if params.beam_width > scheduler_config.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs="
+                             f"{scheduler_config.max_num_seqs}; lower beam_width or raise --max-num-seqs.")
+        # The group must fit the pool on its own, even if no block were shared.
+        length = min(len(token_ids) + params.max_tokens, self.model_config.max_model_len)
+        needed = params.beam_width * -(-length // cache_config.block_size)
+        if needed > cache_config.num_blocks:
+            raise ValueError(f"beam_width={params.beam_width} beams of up to {length} tokens need {needed} KV "
+                             f"blocks, more than the {cache_config.num_blocks} in the pool; lower beam_width or "
+                             f"max_tokens, or raise the KV cache memory (--kv-cache-memory).")
+        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False,
+                                  logprobs=min(2 * params.beam_width, self.model_config.vocab_size))
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling,
+                          eos_token_ids=self.eos_token_ids, max_tokens=params.max_tokens, prompt=text)
+        return request, BeamGroup(request_id, params, self.eos_token_ids)
 
     def _validate_params(self, params: SamplingParams) -> list[list[int]]:
         """Check the token ids params name against the vocabulary; returns bad_words tokenized."""

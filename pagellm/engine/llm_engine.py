@@ -1,14 +1,16 @@
 """LLMEngine: the synchronous engine behind the offline `LLM` API (input processing, EngineCore, outputs)."""
 from __future__ import annotations
 
+from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
+from pagellm.core.beam_group import BeamGroup
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.request import RequestStatus
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 
 
@@ -21,6 +23,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(model_config, self.tokenizer, eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
+        self._beam_prompt_lens: dict[str, int] = {}  # live beam searches: request id -> prompt length
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -29,30 +32,52 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> int:
         """Validate and queue a request; returns its prompt length. Raises ValueError on bad input."""
         request = self.input_processor.process(request_id, prompt, params)
-        self.output_processor.add_request(request)
         self.engine_core.add_request(request)
+        self.output_processor.add_request(request)
+        return request.num_prompt_tokens
+
+    def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> int:
+        """Queue a beam search; its result comes back from `step_outputs` when it finishes."""
+        request, group = self.input_processor.process_beam_search(request_id, prompt, params,
+                                                                 self.config.cache_config,
+                                                                 self.config.scheduler_config)
+        self.engine_core.add_request(request, group)
+        self._beam_prompt_lens[request_id] = request.num_prompt_tokens
         return request.num_prompt_tokens
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
         self.output_processor.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._beam_prompt_lens.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
-    def step(self) -> tuple[list[RequestOutput], int]:
+    def step(self) -> tuple[list[RequestOutput | BeamSearchOutput], int]:
         """Run one step. Returns the outputs of requests that finished, and how many tokens were generated."""
         outputs, num_generated = self.step_outputs()
-        return [o for o in outputs if o.finished], num_generated
+        return [o for o in outputs if isinstance(o, BeamSearchOutput) or o.finished], num_generated
 
-    def step_outputs(self, delta: bool = False) -> tuple[list[RequestOutput], int]:
+    def step_outputs(self, delta: bool = False) -> tuple[list[RequestOutput | BeamSearchOutput], int]:
         """Run one step. Returns a RequestOutput for every request that got a token (for streaming: unfinished
         ones carry only text no stop string can retract; `delta` gives only what is new since the last
-        step), and how many tokens were generated."""
-        updated, _ = self.engine_core.step()
-        processed = self.output_processor.process_outputs(updated, delta=delta)
+        step), a BeamSearchOutput (with `request_id` set) for every beam search that finished, and how many
+        tokens were generated."""
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(core_outputs.outputs, delta=delta)
         if processed.stopped:
             # A stop string ended these: finish them in the core now so their KV blocks go back to the pool.
             self.engine_core.finish_requests(list(processed.stopped), RequestStatus.FINISHED_STOPPED,
                                              stop_reasons=dict(processed.stopped))
-        return processed.request_outputs, len(updated)
+        outputs: list[RequestOutput | BeamSearchOutput] = list(processed.request_outputs)
+        for request_id, result in core_outputs.finished_beam_searches.items():
+            num_prompt_tokens = self._beam_prompt_lens.pop(request_id)
+            for sequence in result.sequences:
+                generated = sequence.tokens[num_prompt_tokens:]
+                if sequence.finish_reason == "stop":
+                    generated = generated[:-1]
+                sequence.text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            result.request_id = request_id
+            outputs.append(result)
+        return outputs, len(core_outputs.outputs)

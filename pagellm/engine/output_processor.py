@@ -1,29 +1,56 @@
-"""Turns engine Requests into user-facing RequestOutputs: one IncrementalDetokenizer per live request (created on
-add, dropped on finish or abort), stop strings, finish reasons, and per-step streaming-safe text."""
+"""Turns the engine core's per-step snapshots (EngineCoreOutput) into user-facing RequestOutputs: one
+IncrementalDetokenizer per sequence (created on add or when a request forks into n sequences, dropped on finish
+or abort), stop strings, finish reasons, logprobs, and per-step streaming-safe text.
+
+It reads no live engine state, so it can run in another thread than the engine core."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagellm.engine.core_output import EngineCoreOutput, LogprobsEntry
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.request import Request
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
 
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput] = field(default_factory=list)  # one per updated request
-    # Requests a stop string ended that the engine core still runs: request id -> the matched string.
+    request_outputs: list[RequestOutput] = field(default_factory=list)  # one per request with news
+    # Sequences a stop string ended that the engine core still runs: sequence id -> the matched string.
     stopped: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
-class _RequestState:
-    request: Request
+class _SequenceState:
+    index: int
     detokenizer: IncrementalDetokenizer | None  # None with detokenize=False
-    num_processed_tokens: int = 0  # output tokens already fed to the detokenizer
-    stop_reason: str | None = None  # the stop string that ended it, once found
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # converted so far
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once complete
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0  # delta mode: tokens (and logprobs) already returned
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    last_output: CompletionOutput | None = None  # the latest cumulative completion, for n > 1 outputs
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: dict[int, _SequenceState] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.finished for s in self.sequences.values())
 
 
 class OutputProcessor:
@@ -32,9 +59,8 @@ class OutputProcessor:
         self.request_states: dict[str, _RequestState] = {}
 
     def add_request(self, request: Request) -> None:
-        params = request.sampling_params
-        detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, params) if params.detokenize else None
-        self.request_states[request.request_id] = _RequestState(request, detokenizer)
+        self.request_states[request.request_id] = _RequestState(
+            request.request_id, request.prompt, request.prompt_token_ids, request.sampling_params)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -43,59 +69,85 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def process_outputs(self, requests: list[Request], delta: bool = False) -> OutputProcessorOutput:
-        """Feed each updated request's new tokens to its detokenizer and build its RequestOutput.
+    def process_outputs(self, outputs: list[EngineCoreOutput], delta: bool = False) -> OutputProcessorOutput:
+        """Feed each sequence's new tokens to its detokenizer and build one RequestOutput per request with news.
 
-        Unfinished requests get the text that no later stop string can retract (cumulative, or with `delta`
-        only what is new since the last call); finished ones get their whole final text. Requests a stop
-        string ended are listed in `stopped` for the caller to finish in the engine core.
+        Unfinished sequences get the text no later stop string can retract (cumulative, or with `delta` only what
+        is new since the last call: text, token ids and logprobs); finished ones get their whole final text. A
+        request is finished when all of its n sequences are. Sequences a stop string ended are listed in
+        `stopped` for the caller to finish in the engine core.
         """
         result = OutputProcessorOutput()
-        for request in requests:
-            state = self.request_states.get(request.request_id)
+        touched: dict[str, list[_SequenceState]] = {}
+        for output in outputs:
+            state = self.request_states.get(output.group_id)
             if state is None:  # aborted meanwhile
                 continue
-            new_token_ids = request.output_token_ids[state.num_processed_tokens:]
-            state.num_processed_tokens = request.num_output_tokens
-            detokenizer = state.detokenizer
-            if detokenizer is not None and state.stop_reason is None:
-                stop_str = detokenizer.update(new_token_ids, finished=request.is_finished)
-                if stop_str is not None:
-                    # Any held-back partial character lies after the match, so it is cut with the rest.
-                    state.stop_reason = stop_str
-                    if not request.is_finished:
-                        result.stopped[request.request_id] = stop_str
-            finished = request.is_finished or state.stop_reason is not None
-            result.request_outputs.append(self._make_output(state, finished, delta))
-            if finished:
-                del self.request_states[request.request_id]
+            sequence = state.sequences.get(output.index)
+            if sequence is None:
+                sequence = self._add_sequence(state, output.index)
+            if sequence.finished:  # stopped by a stop string; the core had one more step in flight
+                continue
+            if output.prompt_logprobs is not None:
+                state.prompt_logprobs = [None] + [self._to_logprobs(e) for e in output.prompt_logprobs]
+            self._update_sequence(sequence, output, result)
+            touched.setdefault(state.request_id, []).append(sequence)
+        for request_id, sequences in touched.items():
+            state = self.request_states[request_id]
+            result.request_outputs.append(self._make_output(state, sequences, delta))
+            if state.finished:
+                del self.request_states[request_id]
         return result
 
-    def _make_output(self, state: _RequestState, finished: bool, delta: bool) -> RequestOutput:
-        request = state.request
-        if state.stop_reason is not None:
-            finish_reason, stop_reason = "stop", state.stop_reason
-        else:
-            finish_reason, stop_reason = request.finish_reason, request.stop_reason
-        detokenizer = state.detokenizer
-        text = detokenizer.get_next_output_text(finished, delta) if detokenizer is not None else ""
-        params = request.sampling_params
-        logprobs = cumulative = None
-        if params.logprobs is not None:
-            state.logprobs += [self._to_logprobs(e) for e in request.logprobs[len(state.logprobs):]]
-            logprobs, cumulative = list(state.logprobs), request.cumulative_logprob
-        if (params.prompt_logprobs is not None and state.prompt_logprobs is None
-                and len(request.prompt_logprobs) >= request.num_prompt_tokens - 1):
-            state.prompt_logprobs = [None] + [self._to_logprobs(e) for e in request.prompt_logprobs]
-        completion = CompletionOutput(index=0, text=text, token_ids=list(request.output_token_ids),
-                                      cumulative_logprob=cumulative, logprobs=logprobs,
-                                      finish_reason=finish_reason if finished else None,
-                                      stop_reason=stop_reason if finished else None)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             prompt_logprobs=state.prompt_logprobs)
+    def _add_sequence(self, state: _RequestState, index: int) -> _SequenceState:
+        params = state.params
+        detokenizer = IncrementalDetokenizer.from_params(self.tokenizer, params) if params.detokenize else None
+        state.sequences[index] = sequence = _SequenceState(index, detokenizer)
+        return sequence
 
-    def _to_logprobs(self, entry: tuple[list[int], list[float], list[int]]) -> dict[int, Logprob]:
+    def _update_sequence(self, sequence: _SequenceState, output: EngineCoreOutput,
+                         result: OutputProcessorOutput) -> None:
+        sequence.token_ids += output.new_token_ids
+        if output.new_logprobs is not None:
+            sequence.logprobs += [self._to_logprobs(e) for e in output.new_logprobs]
+            sequence.cumulative_logprob += sum(e[1][0] for e in output.new_logprobs)
+        sequence.finish_reason, sequence.stop_reason = output.finish_reason, output.stop_reason
+        if sequence.detokenizer is not None:
+            stop_str = sequence.detokenizer.update(output.new_token_ids, finished=output.finish_reason is not None)
+            if stop_str is not None:
+                # Any held-back partial character lies after the match, so it is cut with the rest.
+                if output.finish_reason is None:
+                    result.stopped[output.request_id] = stop_str
+                sequence.finish_reason, sequence.stop_reason = "stop", stop_str
+
+    def _make_output(self, state: _RequestState, sequences: list[_SequenceState], delta: bool) -> RequestOutput:
+        for sequence in sequences:
+            sequence.last_output = self._completion(state, sequence, delta)
+        if delta:
+            completions = [s.last_output for s in sequences]
+            prompt_logprobs = None if state.prompt_logprobs_sent else state.prompt_logprobs
+        else:
+            completions = [state.sequences[i].last_output for i in sorted(state.sequences)]
+            prompt_logprobs = state.prompt_logprobs
+        state.prompt_logprobs_sent |= prompt_logprobs is not None
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=state.finished,
+                             prompt_logprobs=prompt_logprobs)
+
+    def _completion(self, state: _RequestState, sequence: _SequenceState, delta: bool) -> CompletionOutput:
+        finished = sequence.finished
+        detokenizer = sequence.detokenizer
+        text = detokenizer.get_next_output_text(finished, delta) if detokenizer is not None else ""
+        start = sequence.num_sent_tokens if delta else 0
+        sequence.num_sent_tokens = len(sequence.token_ids)
+        wants_logprobs = state.params.logprobs is not None
+        return CompletionOutput(index=sequence.index, text=text, token_ids=sequence.token_ids[start:],
+                                cumulative_logprob=sequence.cumulative_logprob if wants_logprobs else None,
+                                logprobs=sequence.logprobs[start:] if wants_logprobs else None,
+                                finish_reason=sequence.finish_reason if finished else None,
+                                stop_reason=sequence.stop_reason if finished else None)
+
+    def _to_logprobs(self, entry: LogprobsEntry) -> dict[int, Logprob]:
         ids, values, ranks = entry
         texts = self.tokenizer.batch_decode([[t] for t in ids])
         return {t: Logprob(v, r, text) for t, v, r, text in zip(ids, values, ranks, texts)}

@@ -1,11 +1,16 @@
 """The engine's view of one sequence: its tokens, progress and status."""
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.core.beam_group import BeamGroup
 
 
 class RequestStatus(enum.IntEnum):
@@ -41,6 +46,11 @@ class Request:
     max_tokens: int
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    # The user's request id, and which of its sequences this is: with n > 1 the first sample forks the request
+    # into n sequences (`{group_id}/{index}` for index > 0) that share the prompt's KV blocks.
+    group_id: str = ""
+    index: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
@@ -54,8 +64,28 @@ class Request:
     # With sampling_params.prompt_logprobs: one entry per prompt token after the first, same form.
     prompt_logprobs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
 
+    # Beam search: the group this beam belongs to, and the (token ids, logprobs) of its best next tokens once
+    # sampled; the beam then waits (nothing to compute) until the group picks the next beams.
+    beam_group: BeamGroup | None = None
+    beam_candidates: tuple[list[int], list[float]] | None = None
+
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
+
+    def fork(self, request_id: str, index: int, sampling_params: SamplingParams | None = None) -> Request:
+        """A new sequence with this one's tokens and progress (its KV blocks are shared by the caller)."""
+        child = copy.copy(self)
+        child.request_id = request_id
+        child.index = index
+        if sampling_params is not None:
+            child.sampling_params = sampling_params
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.logprobs = list(self.logprobs)
+        child.prompt_logprobs = []  # reported once, by the group's first sequence
+        child.beam_candidates = None
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:

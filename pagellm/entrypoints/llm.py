@@ -9,11 +9,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagellm.beam_search import BeamSearchOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -58,7 +59,16 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one "
                                  f"SamplingParams for all, or exactly one per prompt.")
-        return self._run(prompts, params_list, use_tqdm)
+        return self._run(prompts, params_list, use_tqdm, self.llm_engine.add_request)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (run together, beams sharing KV blocks); one BeamSearchOutput per prompt
+        whose `.sequences` are the beams, best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run(prompts, [params] * len(prompts), use_tqdm, self.llm_engine.add_beam_search_request)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -76,18 +86,19 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params_list: list, use_tqdm: bool, add_request) -> list:
         engine = self.llm_engine
         order: dict[str, int] = {}
+        prompt_lens: dict[str, int] = {}
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, params)
+                prompt_lens[request_id] = add_request(request_id, prompt, params)
                 order[request_id] = len(order)
         except Exception:
             engine.abort_request(list(order))  # all or nothing: nothing stays queued after bad input
             raise
-        outputs: list[RequestOutput | None] = [None] * len(order)
+        outputs: list[RequestOutput | BeamSearchOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, input_tokens, output_tokens = time.perf_counter(), 0, 0
         try:
@@ -96,7 +107,7 @@ class LLM:
                 output_tokens += num_generated
                 for output in finished:
                     outputs[order[output.request_id]] = output
-                    input_tokens += len(output.prompt_token_ids)
+                    input_tokens += prompt_lens[output.request_id]
                     bar.update(1)
                 if finished and use_tqdm:
                     elapsed = time.perf_counter() - start

@@ -24,6 +24,14 @@ class CacheEngine:
         shape = (2, model_config.num_kv_heads, num_blocks, cache_config.block_size, model_config.head_dim)
         self.kv_caches = [zeros(shape, model_config.dtype, device) for _ in range(model_config.num_layers)]
 
+    @torch.inference_mode()
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy each (source, destination) block in every layer, in order (a block freed by one
+        copy's owner may be the destination of a later one in the same step)."""
+        for kv in self.kv_caches:
+            for src, dst in blocks_to_copy:
+                kv[:, :, dst].copy_(kv[:, :, src])
+
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-filled cache memory. The cache must start as zeros, not garbage: padded decode slots are multiplied

@@ -18,11 +18,15 @@ from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gath
 from pagellm.model_executor.model_loader.loader import load_model
 
 
+LogprobsEntry = tuple[list[int], list[float], list[int]]  # (ids, logprobs, ranks): the sampled token, then top-k
+
+
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    # request id -> (ids, logprobs, ranks) of the sampled token (first) and its top-k, for requests that asked.
-    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    # request id -> its sampled tokens: one, or `num_samples` for the first sample of an n > 1 request.
+    sampled_token_ids: dict[str, list[int]]
+    # request id -> one logprobs entry per sampled token, for requests that asked.
+    logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     # request id -> (index of the first entry, entries): prompt logprobs of this step's prefill chunk.
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
@@ -33,7 +37,7 @@ class ModelInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampled: list[ScheduledRequest]  # requests whose last token's logits are sampled, in logits order
+    sampled: list[ScheduledRequest]  # one per logits row, in order (repeated for num_samples > 1)
     # (request, flat index of its first token this step): prefill chunks whose prompt logprobs are wanted
     prompt_logprobs: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
 
@@ -92,7 +96,8 @@ class ModelRunner:
                          block_ids=self._to_device(np.array(r.block_ids, dtype=np.int64)))
             for i, r in enumerate(ordered) if i >= len(decodes)
         ]
-        sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample]
+        # n > 1: the same last-token logits row is sampled once per sequence.
+        sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample for _ in range(r.num_samples)]
         logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1
         meta = AttentionMetadata(self._to_device(slot_mapping), len(decodes), decode_tables, decode_seq_lens,
                                  decode_mask, chunks)
@@ -189,9 +194,11 @@ class ModelRunner:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = self.sampler(logits, self.sampling_tensors(inputs.sampled))
-        tokens = out.sampled.tolist()
-        logprobs = {}
-        if out.logprobs is not None:
-            logprobs = {r.request_id: lp for r, lp in zip(inputs.sampled, out.logprobs) if lp is not None}
-        return ModelRunnerOutput({r.request_id: t for r, t in zip(inputs.sampled, tokens)}, logprobs,
-                                 prompt_logprobs)
+        sampled: dict[str, list[int]] = {}
+        for request, token in zip(inputs.sampled, out.sampled.tolist()):
+            sampled.setdefault(request.request_id, []).append(token)
+        logprobs: dict[str, list[LogprobsEntry]] = {}
+        for request, entry in zip(inputs.sampled, out.logprobs or ()):
+            if entry is not None:
+                logprobs.setdefault(request.request_id, []).append(entry)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)

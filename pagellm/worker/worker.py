@@ -105,4 +105,6 @@ class Worker:
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        if output.blocks_to_copy:
+            self.cache_engine.copy_blocks(output.blocks_to_copy)
         return self.model_runner.execute_model(output)

@@ -33,7 +33,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None):
     """One engine step with a fake model; returns (output, updated, finished)."""
     out = sched.schedule()
     tokens = tokens or {}
-    sampled = {s.request_id: tokens.get(s.request_id, TOKEN) for s in out.scheduled if s.needs_sample}
+    sampled = {s.request_id: [tokens.get(s.request_id, TOKEN)] * s.num_samples for s in out.scheduled if s.needs_sample}
     updated, finished = sched.update_from_output(out, sampled)
     return out, updated, finished
 
@@ -102,7 +102,7 @@ def test_prefill_then_decode_bookkeeping():
     assert s.block_ids == blocks_of(sched, "a") and len(s.block_ids) == 2
     assert s.sampling_params is req.sampling_params
     assert req.status == RequestStatus.RUNNING and ids(sched.running) == ["a"] and not sched.waiting
-    updated, finished = sched.update_from_output(out, {"a": 11})
+    updated, finished = sched.update_from_output(out, {"a": [11]})
     assert ids(updated) == ["a"] and finished == []
     assert req.num_computed_tokens == 5 and req.output_token_ids == [11]
 
@@ -196,7 +196,7 @@ def test_long_prompt_is_chunked_and_only_the_last_chunk_samples():
         assert len(s.block_ids) == cdiv(expected_start + expected_len, 4)
         seen += s.token_ids
         # The fake model returns a token for every request; a non-final chunk must ignore it.
-        updated, finished = sched.update_from_output(out, {"a": 55})
+        updated, finished = sched.update_from_output(out, {"a": [55]})
         assert finished == []
         if expected_sample:
             assert ids(updated) == ["a"] and req.output_token_ids == [55]

@@ -205,7 +205,7 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
         check_running_tables(sched, scheduled_tokens)
 
         # -- the fake model
-        sampled = {s.request_id: specs[s.request_id].plan[requests[s.request_id].num_output_tokens]
+        sampled = {s.request_id: [specs[s.request_id].plan[requests[s.request_id].num_output_tokens]]
                    for s in out.scheduled if s.needs_sample}
         computed_before = {r: requests[r].num_computed_tokens for r in order}
         outputs_before = {r: requests[r].num_output_tokens for r in order}

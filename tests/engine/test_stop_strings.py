@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagellm.engine.core_output import EngineCoreOutput
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.request import Request, RequestStatus
+from pagellm.engine.request import Request
 from pagellm.sampling_params import SamplingParams
 
 
@@ -120,47 +121,61 @@ def make_request(params: SamplingParams, request_id: str = "r") -> Request:
                    eos_token_ids=frozenset({2}), max_tokens=params.max_tokens)
 
 
+def core_output(token_id: int, finish_reason: str | None = None, request_id: str = "r") -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, request_id, 0, [token_id], finish_reason=finish_reason)
+
+
 def test_output_processor_reports_stop_and_streams_safe_text(tokenizer, hello):
     processor = OutputProcessor(tokenizer)
-    request = make_request(SamplingParams(stop=["again"], max_tokens=10))
-    processor.add_request(request)
-    seen = []
+    processor.add_request(make_request(SamplingParams(stop=["again"], max_tokens=10)))
+    seen, tokens = [], []
     for token_id in hello:
-        request.append_output_token(token_id)
-        result = processor.process_outputs([request], delta=True)
+        result = processor.process_outputs([core_output(token_id)], delta=True)
         (output,) = result.request_outputs
         seen.append(output.outputs[0].text)
+        tokens += output.outputs[0].token_ids
     assert result.stopped == {"r": "again"}
     assert output.finished and output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == "again"
     # len("again") - 1 = 4 chars held back while running; on finish the rest, cut before the stop string.
     assert seen == ["H", "ello w", "orld "]
-    assert output.outputs[0].token_ids == hello
+    assert tokens == hello  # delta outputs carry only the new token ids
     assert not processor.has_unfinished_requests()  # the detokenizer is dropped on finish
 
 
 def test_output_processor_length_finish_with_stop_in_last_token(tokenizer, hello):
     processor = OutputProcessor(tokenizer)
-    request = make_request(SamplingParams(stop=["world"], max_tokens=2))
-    processor.add_request(request)
-    request.append_output_token(hello[0])
-    processor.process_outputs([request])
-    request.append_output_token(hello[1])
-    request.status = RequestStatus.FINISHED_LENGTH  # the scheduler ended it in the same step
-    result = processor.process_outputs([request])
+    processor.add_request(make_request(SamplingParams(stop=["world"], max_tokens=2)))
+    processor.process_outputs([core_output(hello[0])])
+    # The scheduler ended it by length in the same step.
+    result = processor.process_outputs([core_output(hello[1], finish_reason="length")])
     completion = result.request_outputs[0].outputs[0]
     assert result.stopped == {}  # already finished in the core: nothing to finish there
     assert (completion.text, completion.finish_reason, completion.stop_reason) == ("Hello ", "stop", "world")
+    assert completion.token_ids == hello[:2]  # cumulative mode: all tokens
 
 
 def test_output_processor_without_detokenize(tokenizer, hello):
     processor = OutputProcessor(tokenizer)
-    request = make_request(SamplingParams(detokenize=False, max_tokens=3))
-    processor.add_request(request)
-    for token_id in hello:
-        request.append_output_token(token_id)
-    request.status = RequestStatus.FINISHED_LENGTH
-    (output,) = processor.process_outputs([request]).request_outputs
+    processor.add_request(make_request(SamplingParams(detokenize=False, max_tokens=3)))
+    outputs = [core_output(t, finish_reason="length" if i == len(hello) - 1 else None) for i, t in enumerate(hello)]
+    (output,) = processor.process_outputs(outputs).request_outputs
     assert output.outputs[0].text == "" and output.outputs[0].finish_reason == "length"
+
+
+def test_output_processor_groups_n_sequences(tokenizer, hello):
+    """n = 2: one RequestOutput per step; finished only when both sequences are, with both completions."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(make_request(SamplingParams(n=2, max_tokens=3)))
+    first = processor.process_outputs([core_output(hello[0]), EngineCoreOutput("r/1", "r", 1, [hello[1]])])
+    (output,) = first.request_outputs
+    assert [c.index for c in output.outputs] == [0, 1] and not output.finished
+    second = processor.process_outputs([EngineCoreOutput("r/1", "r", 1, [hello[2]], finish_reason="length")])
+    (output,) = second.request_outputs
+    assert not output.finished and output.outputs[1].finish_reason == "length"
+    (output,) = processor.process_outputs([core_output(hello[2], finish_reason="length")]).request_outputs
+    assert output.finished
+    assert [(c.index, c.text) for c in output.outputs] == [(0, "Hello again"), (1, " world again")]
+    assert not processor.has_unfinished_requests()
 
 
 def test_sampling_params_stop_validation():

@@ -18,16 +18,6 @@ PROMPT_LENS = [1, 3, 8, 17, 33, 50, 77, 120]
 BIG_KV = 8 << 20
 
 
-def kv_bytes_per_block(model_dir, block_size: int) -> int:
-    """2 (K and V) * layers * block_size * kv_heads * head_dim * 4 bytes (float32)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * block_size * kv_heads * head_dim * 4
-
-
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory):
     return tiny_model_factory(KIND)
@@ -39,10 +29,10 @@ def prompts(make_token_prompts):
     return prompts + [dict(prompts[3])]
 
 
-def preempting_kwargs(model_dir, block_size: int = 4, spare_blocks: int = 2) -> dict:
+def preempting_kwargs(model_dir, pool_bytes, block_size: int = 4, spare_blocks: int = 2) -> dict:
     """A pool of just over max_model_len tokens: every request fits alone, the batch does not."""
     num_blocks = -(-MAX_MODEL_LEN // block_size) + spare_blocks
-    return dict(block_size=block_size, kv_cache_memory_bytes=num_blocks * kv_bytes_per_block(model_dir, block_size))
+    return dict(block_size=block_size, kv_cache_memory_bytes=pool_bytes(model_dir, block_size, num_blocks))
 
 
 def make_llm(model_dir, **overrides) -> LLM:
@@ -140,9 +130,9 @@ def test_greedy_invariant_to_scheduling(name, model_dir, prompts, greedy_referen
     assert run(llm, prompts, greedy_params(), no_leaks) == greedy_reference
 
 
-def _preempting_llm(model_dir, name) -> LLM:
+def _preempting_llm(model_dir, name, pool_bytes) -> LLM:
     extra = dict(PREEMPTING[name])
-    kwargs = preempting_kwargs(model_dir, block_size=extra.pop("block_size", 4),
+    kwargs = preempting_kwargs(model_dir, pool_bytes, block_size=extra.pop("block_size", 4),
                                spare_blocks=extra.pop("spare_blocks", 2))
     kwargs.update(extra)
     llm = make_llm(model_dir, **kwargs)
@@ -153,8 +143,9 @@ def _preempting_llm(model_dir, name) -> LLM:
 
 
 @pytest.mark.parametrize("name", list(PREEMPTING))
-def test_greedy_invariant_under_preemption(name, model_dir, prompts, greedy_reference, no_leaks, monkeypatch):
-    llm = _preempting_llm(model_dir, name)
+def test_greedy_invariant_under_preemption(name, model_dir, prompts, greedy_reference, no_leaks, monkeypatch,
+                                           pool_bytes):
+    llm = _preempting_llm(model_dir, name, pool_bytes)
     scheduler = llm.llm_engine.engine_core.scheduler
     # Record how far each victim had got, to be sure some recomputation re-feeds already generated tokens.
     outputs_at_preemption = []
@@ -172,8 +163,9 @@ def test_greedy_invariant_under_preemption(name, model_dir, prompts, greedy_refe
 
 
 @pytest.mark.parametrize("name", ["preempt", "preempt-budget-7"])
-def test_seeded_sampling_invariant_under_preemption(name, model_dir, prompts, seeded_reference, no_leaks):
-    llm = _preempting_llm(model_dir, name)
+def test_seeded_sampling_invariant_under_preemption(name, model_dir, prompts, seeded_reference, no_leaks,
+                                                   pool_bytes):
+    llm = _preempting_llm(model_dir, name, pool_bytes)
     assert run(llm, prompts, seeded_params(len(prompts)), no_leaks) == seeded_reference
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
 

@@ -63,17 +63,8 @@ def check_entry(entry: dict[int, Logprob], reference: torch.Tensor, token: int, 
         assert lp.decoded_token == tokenizer.decode([t])
 
 
-def kv_bytes_per_block(model_dir, block_size: int) -> int:
-    """2 (K and V) * layers * block_size * kv_heads * head_dim * 4 bytes (float32)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * 4
-
-
 @pytest.mark.parametrize("engine", ["plain", "chunked", "preempting"])
-def test_logprobs_match_transformers(engine, model_dir, llm, hf_model, prompts, no_leaks):
+def test_logprobs_match_transformers(engine, model_dir, llm, hf_model, prompts, no_leaks, pool_bytes):
     if engine == "plain":
         engine_llm = llm
     elif engine == "chunked":
@@ -82,7 +73,7 @@ def test_logprobs_match_transformers(engine, model_dir, llm, hf_model, prompts, 
     else:
         block_size, num_blocks = 4, MAX_MODEL_LEN // 4 + 2
         engine_llm = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=block_size,
-                         kv_cache_memory_bytes=num_blocks * kv_bytes_per_block(model_dir, block_size),
+                         kv_cache_memory_bytes=pool_bytes(model_dir, block_size, num_blocks),
                          max_num_batched_tokens=16)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=3, prompt_logprobs=2),
               SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True, logprobs=0,
