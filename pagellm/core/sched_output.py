@@ -14,13 +14,13 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sampling_params: SamplingParams
     needs_sample: bool  # False for a prefill chunk that does not reach the end of the known tokens
-    num_samples: int = 1  # n > 1: the first sample draws n tokens from the same logits (one per sequence)
     # References to the request's lists (not copies), read by the sampler for penalties, bad words, min_tokens
     # and prompt logprobs. They are current when the step runs: the scheduler appends only after it.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    num_samples: int = 1  # n > 1: the first sample draws n tokens from the same logits (one per sequence)
 
     @property
     def num_tokens(self) -> int:
