@@ -13,3 +13,8 @@ def cache_root() -> Path:
 def c_kernels_disabled() -> bool:
     """PAGELLM_DISABLE_C_KERNELS=1 forces the PyTorch attention path on CPU."""
     return os.environ.get("PAGELLM_DISABLE_C_KERNELS") == "1"
+
+
+def api_key() -> str | None:
+    """PAGELLM_API_KEY: the key `pagellm serve` requires (as `Authorization: Bearer ...`) when --api-key is not given."""
+    return os.environ.get("PAGELLM_API_KEY") or None

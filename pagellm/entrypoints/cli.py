@@ -1,4 +1,4 @@
-"""The `pagellm` command: `generate` (one prompt, printed), `bench throughput`."""
+"""The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), `bench throughput`."""
 from __future__ import annotations
 
 import argparse
@@ -24,10 +24,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagellm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
 def _bench_throughput(args: argparse.Namespace) -> int:
     from pagellm.benchmarks.throughput import run
 
     run(args)
+    return 0
+
+
+def _bench_sharing(args: argparse.Namespace) -> int:
+    from pagellm.benchmarks.sharing import run
+
+    run(args)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from pagellm.benchmarks.serve import run
+
+    try:
+        run(args)
+    except ConnectionError as exc:  # an unreachable server: one line naming the URL, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -46,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(generate)
     generate.set_defaults(handler=_generate)
 
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from pagellm.entrypoints.openai.cli_args import make_arg_parser
+
+    make_arg_parser(serve)
+    serve.set_defaults(handler=_serve)
+
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     throughput = bench.add_parser("throughput", help="offline throughput, optionally against transformers")
     from pagellm.benchmarks.throughput import add_cli_args
@@ -53,6 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(throughput)
     EngineArgs.add_cli_args(throughput)
     throughput.set_defaults(handler=_bench_throughput)
+    serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
+    from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
+
+    add_serve_bench_args(serve_bench)
+    serve_bench.set_defaults(handler=_bench_serve)
+    sharing = bench.add_parser("sharing", help="KV blocks saved by sharing for n > 1 and beam search")
+    from pagellm.benchmarks.sharing import add_cli_args as add_sharing_args
+
+    add_sharing_args(sharing)
+    EngineArgs.add_cli_args(sharing)
+    sharing.set_defaults(handler=_bench_sharing)
     return parser
 
 

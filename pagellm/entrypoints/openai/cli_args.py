@@ -1,0 +1,27 @@
+"""The flags of `pagellm serve` (vLLM's names): server settings plus every engine flag."""
+from __future__ import annotations
+
+import argparse
+
+from pagellm.engine.arg_utils import EngineArgs
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="checkpoint directory, .gguf file or hub id (same as --model)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
+                             "(default: $PAGELLM_API_KEY; none: open)")
+    parser.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=None,
+                        help="model name(s) the API accepts; the first is reported (default: --model)")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template file or inline Jinja template (default: the tokenizer's)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="answer 503 with Retry-After when this many requests are already waiting "
+                             "(default: unbounded)")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return EngineArgs.add_cli_args(parser)

@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions: messages -> the chat template -> a chat completion or an SSE stream of deltas, with
+OpenAI's chat logprobs shape."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pagellm.entrypoints.openai.errors import sse_error
+from pagellm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
+                                                 ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                 ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+                                                 ChatLogProb, ChatLogProbsContent, ChatMessage, DeltaMessage)
+from pagellm.entrypoints.openai.serving_completion import LOGPROB_FLOOR
+from pagellm.entrypoints.openai.serving_engine import OpenAIServing, accumulate, chain_first, usage
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+
+ROLE = "assistant"
+
+
+def _chat_logprob(logprob: Logprob) -> ChatLogProb:
+    token = logprob.decoded_token or ""
+    return ChatLogProb(token=token, logprob=max(logprob.logprob, LOGPROB_FLOOR), bytes=list(token.encode()))
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int) -> ChatCompletionLogProbs:
+    """Per token: the chosen token and the `num_top` most likely ones, most likely first."""
+    content = []
+    for token_id, step in zip(token_ids, logprobs):
+        ranked = sorted(step.values(), key=lambda lp: -lp.logprob)[:num_top]
+        chosen = _chat_logprob(step[token_id])
+        content.append(ChatLogProbsContent(**chosen.model_dump(), top_logprobs=[_chat_logprob(lp) for lp in ranked]))
+    return ChatCompletionLogProbs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(
+            self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        model = self.model_name(request.model)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = request.to_sampling_params(max_tokens, num_logprobs)
+        prompt = self.chat_prompt(request.messages, request.add_generation_prompt)
+        self.check_length(prompt, params, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        first, rest = await self.start([prompt], params, request_id)
+        if request.stream:
+            return self._stream(request, request_id, model, first, rest)
+        return await self._full(request, request_id, model, chain_first(first, rest))
+
+    @staticmethod
+    def _logprobs(request: ChatCompletionRequest, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
+        if not request.logprobs or completion.logprobs is None:
+            return None
+        return chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0)
+
+    async def _full(self, request: ChatCompletionRequest, request_id: str, model: str,
+                    outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
+        choices: dict[int, CompletionOutput] = {}
+        prompt_tokens: dict[int, int] = {}
+        async for _, output in outputs:
+            prompt_tokens[0] = len(output.prompt_token_ids)
+            accumulate(choices, 0, output)
+        return ChatCompletionResponse(
+            id=request_id, model=model,
+            choices=[ChatCompletionResponseChoice(index=i, message=ChatMessage(role=ROLE, content=choices[i].text),
+                                                  logprobs=self._logprobs(request, choices[i]),
+                                                  finish_reason=choices[i].finish_reason,
+                                                  stop_reason=choices[i].stop_reason)
+                     for i in sorted(choices)],
+            usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices.values())))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
+                      first: tuple[int, RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatCompletionResponseStreamChoice], **fields) -> str:
+            response = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
+                                                    **fields)
+            return f"data: {response.model_dump_json()}\n\n"
+
+        prompt_tokens = {0: len(first[1].prompt_token_ids)}
+        completion_tokens = 0
+        try:
+            # As OpenAI: each choice opens with a delta holding only the role.
+            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))
+                         for i in range(request.n)])
+            async for _, output in chain_first(first, rest):
+                choices = []
+                for delta in output.outputs:
+                    choices.append(ChatCompletionResponseStreamChoice(
+                        index=delta.index, delta=DeltaMessage(content=delta.text),
+                        logprobs=self._logprobs(request, delta), finish_reason=delta.finish_reason,
+                        stop_reason=delta.stop_reason))
+                    completion_tokens += len(delta.token_ids)
+                yield chunk(choices)
+            if request.include_usage:
+                yield chunk([], usage=usage(prompt_tokens, completion_tokens))
+        except Exception as exc:  # the response has started: report the error as the stream's last event
+            yield sse_error(exc)
+        finally:
+            await rest.aclose()
+        yield "data: [DONE]\n\n"

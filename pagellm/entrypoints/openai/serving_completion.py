@@ -1,0 +1,106 @@
+"""POST /v1/completions: prompts (text or token ids, one or a batch) -> a completion response or an SSE stream,
+with OpenAI's legacy logprobs shape."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pagellm.entrypoints.openai.errors import OpenAIServingError, sse_error
+from pagellm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                                 CompletionResponseChoice)
+from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, TokensPrompt, accumulate, chain_first,
+                                                       usage)
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
+                        text_offset: int) -> CompletionLogProbs:
+    """Per token: its text, logprob, the `num_top` most likely tokens (most likely first, plus the chosen one),
+    and where its text starts in the completion."""
+    result = CompletionLogProbs()
+    for token_id, step in zip(token_ids, logprobs):
+        chosen = step[token_id]
+        token = chosen.decoded_token or ""
+        ranked = sorted(step.items(), key=lambda item: -item[1].logprob)[:num_top]
+        if token_id not in dict(ranked):
+            ranked.append((token_id, chosen))
+        result.tokens.append(token)
+        result.token_logprobs.append(max(chosen.logprob, LOGPROB_FLOOR))
+        result.top_logprobs.append({lp.decoded_token or "": max(lp.logprob, LOGPROB_FLOOR) for _, lp in ranked})
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        model = self.model_name(request.model)
+        params = request.to_sampling_params(request.max_tokens, request.logprobs)
+        prompts = self._prompts(request.prompt)
+        for prompt in prompts:
+            self.check_length(prompt, params, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        first, rest = await self.start(prompts, params, request_id)
+        if request.stream:
+            return self._stream(request, request_id, model, first, rest)
+        return await self._full(request, request_id, model, chain_first(first, rest))
+
+    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[TokensPrompt]:
+        if isinstance(prompt, str):
+            return [self.text_prompt(prompt)]
+        if not prompt:
+            raise OpenAIServingError("prompt must not be empty.", param="prompt")
+        if isinstance(prompt[0], int):
+            return [{"prompt": None, "prompt_token_ids": list(prompt)}]
+        return [self.text_prompt(p) if isinstance(p, str) else {"prompt": None, "prompt_token_ids": list(p)}
+                for p in prompt]
+
+    def _choice(self, request: CompletionRequest, index: int, completion: CompletionOutput,
+                text_offset: int) -> CompletionResponseChoice:
+        logprobs = None
+        if request.logprobs is not None and completion.logprobs is not None:
+            logprobs = completion_logprobs(completion.token_ids, completion.logprobs, request.logprobs, text_offset)
+        return CompletionResponseChoice(index=index, text=completion.text, logprobs=logprobs,
+                                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+
+    async def _full(self, request: CompletionRequest, request_id: str, model: str,
+                    outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
+        choices: dict[int, CompletionOutput] = {}
+        prompt_tokens: dict[int, int] = {}
+        async for prompt_index, output in outputs:
+            prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+            accumulate(choices, prompt_index * request.n, output)
+        return CompletionResponse(
+            id=request_id, model=model,
+            choices=[self._choice(request, i, choices[i], 0) for i in sorted(choices)],
+            usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices.values())))
+
+    async def _stream(self, request: CompletionRequest, request_id: str, model: str, first: tuple[int, RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        text_offsets: dict[int, int] = {}
+        try:
+            async for prompt_index, output in chain_first(first, rest):
+                prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                choices = []
+                for delta in output.outputs:
+                    index = prompt_index * request.n + delta.index
+                    choices.append(self._choice(request, index, delta, text_offsets.get(index, 0)))
+                    text_offsets[index] = text_offsets.get(index, 0) + len(delta.text)
+                    completion_tokens += len(delta.token_ids)
+                chunk = CompletionResponse(id=request_id, created=created, model=model, choices=choices)
+                yield f"data: {chunk.model_dump_json()}\n\n"
+            if request.include_usage:
+                chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                           usage=usage(prompt_tokens, completion_tokens))
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:  # the response has started: report the error as the stream's last event
+            yield sse_error(exc)
+        finally:
+            await rest.aclose()
+        yield "data: [DONE]\n\n"

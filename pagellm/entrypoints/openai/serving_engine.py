@@ -1,0 +1,115 @@
+"""What every OpenAI endpoint shares: the served model names, tokenization and the chat template on the event
+loop, length checks against max_model_len, starting a batch of generations, and folding delta outputs into
+whole completions."""
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from jinja2 import TemplateError
+
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.errors import OpenAIServingError
+from pagellm.entrypoints.openai.protocol import ChatMessageParam, UsageInfo
+from pagellm.entrypoints.utils import merge_async_iterators
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+TokensPrompt = dict[str, Any]  # {"prompt": str | None, "prompt_token_ids": [...]}, what AsyncLLM.generate takes
+
+
+def load_chat_template(chat_template: str | None) -> str | None:
+    """--chat-template: a file path, or the Jinja template itself."""
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    return chat_template
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.scheduler_config.max_model_len
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; an unknown model is a 404."""
+        if requested is None:
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise OpenAIServingError(f"The model `{requested}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+        return requested
+
+    def text_prompt(self, text: str, add_special_tokens: bool = True) -> TokensPrompt:
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=add_special_tokens)}
+
+    def chat_prompt(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> TokensPrompt:
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIServingError("This model's tokenizer has no chat template; start the server with "
+                                     "--chat-template, or use /v1/completions.")
+        try:
+            text = self.tokenizer.apply_chat_template([m.to_template_message() for m in messages],
+                                                      chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except TemplateError as exc:
+            raise OpenAIServingError(f"The chat template could not render these messages: {exc}",
+                                     param="messages") from exc
+        # The template already holds any BOS; by default no special tokens are added, which would double it.
+        return self.text_prompt(text, add_special_tokens)
+
+    def check_length(self, prompt: TokensPrompt, params: SamplingParams, param: str) -> None:
+        num_tokens = len(prompt["prompt_token_ids"])
+        if params.truncate_prompt_tokens is not None:
+            num_tokens = min(num_tokens, params.truncate_prompt_tokens)
+        if num_tokens > self.max_model_len:
+            raise OpenAIServingError(f"The prompt is {num_tokens} tokens long, more than this model's maximum "
+                                     f"context length of {self.max_model_len} tokens (--max-model-len).", param=param)
+        if params.max_tokens is not None and num_tokens + params.max_tokens > self.max_model_len:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_tokens + params.max_tokens} tokens ({num_tokens} in the prompt, {params.max_tokens} for the "
+                f"completion). Shorten the prompt or lower max_tokens.", param="max_tokens")
+
+    async def start(self, prompts: list[TokensPrompt], params: SamplingParams,
+                    request_id: str) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:
+        """Submit every prompt and wait for the first output, so that a bad request fails before any response
+        is sent. Returns that first (prompt index, output) and the merged stream of the rest."""
+        streams = [self.engine.generate(prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
+        merged = merge_async_iterators(*streams)
+        try:
+            first = await anext(merged)
+        except BaseException:
+            await merged.aclose()
+            raise
+        return first, merged
+
+
+async def chain_first(first: tuple[int, RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def accumulate(choices: dict[int, CompletionOutput], offset: int, output: RequestOutput) -> None:
+    """Fold one delta output into whole completions, keyed by choice index (`offset` + completion index)."""
+    for delta in output.outputs:
+        choice = choices.setdefault(offset + delta.index, CompletionOutput(index=offset + delta.index, text="",
+                                                                           token_ids=[]))
+        choice.text += delta.text
+        choice.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + delta.logprobs
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
+        choice.stop_reason = delta.stop_reason if delta.finish_reason else choice.stop_reason
+
+
+def usage(prompt_tokens: dict[int, int], completion_tokens: int) -> UsageInfo:
+    total_prompt = sum(prompt_tokens.values())
+    return UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
+                     total_tokens=total_prompt + completion_tokens)

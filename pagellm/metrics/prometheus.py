@@ -1,0 +1,99 @@
+"""Prometheus metrics under vLLM's names (prefix `pagellm:`), in a registry of their own per server.
+
+Scheduler gauges (running, waiting, KV usage) and the preemption counter are read from the engine's latest
+scheduler snapshot at scrape time; token counters and latency histograms are recorded from IterationStats.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagellm.core.scheduler import SchedulerStats
+from pagellm.metrics.stats import IterationStats, StatLoggerBase
+
+FINISH_REASONS = ("stop", "length", "abort")
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0]
+
+
+class _SchedulerCollector(Collector):
+    def __init__(self, model_name: str, scheduler_stats: Callable[[], SchedulerStats]) -> None:
+        self._model_name = model_name
+        self._scheduler_stats = scheduler_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._scheduler_stats()
+        for name, documentation, value in (
+                ("pagellm:num_requests_running", "Number of requests in model execution batches.",
+                 stats.num_running),
+                ("pagellm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+                ("pagellm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 stats.kv_cache_usage)):
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric([self._model_name], value)
+            yield gauge
+        preemptions = CounterMetricFamily("pagellm:num_preemptions", "Cumulative number of preemptions.",
+                                          labels=["model_name"])
+        preemptions.add_metric([self._model_name], stats.num_preemptions_total)
+        yield preemptions
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    def __init__(self, model_name: str, scheduler_stats: Callable[[], SchedulerStats]) -> None:
+        self._model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_SchedulerCollector(model_name, scheduler_stats))
+        labels = {"model_name": model_name}
+
+        def counter(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, ["model_name"], registry=self.registry).labels(**labels)
+
+        def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, documentation, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(**labels)
+
+        self.prompt_tokens = counter("pagellm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("pagellm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter(
+            "pagellm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens. pagellm has no automatic prefix cache "
+            "yet: every prompt token counts as queried.")
+        self.prefix_cache_hits = counter(
+            "pagellm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens. Always 0: there is no automatic prefix cache "
+            "yet.")
+        self.request_success = Counter("pagellm:request_success", "Count of successfully processed requests.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # every reason is exported from the start, at 0
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
+        self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds",
+                                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e_request_latency = histogram("pagellm:e2e_request_latency_seconds",
+                                             "Histogram of end to end request latency in seconds.", _REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "pagellm:request_queue_time_seconds",
+            "Histogram of time requests spent waiting before they were first scheduled, in seconds.",
+            _REQUEST_BUCKETS)
+
+    def record(self, iteration: IterationStats) -> None:
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.prefix_cache_queries.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for ttft in iteration.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in iteration.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in iteration.finished_requests:
+            self.request_success.labels(model_name=self._model_name, finished_reason=finished.finish_reason).inc()
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.request_queue_time.observe(finished.queue_time)

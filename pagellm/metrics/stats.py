@@ -1,0 +1,75 @@
+"""What the serving path measures: per-request timing kept on the asyncio side, and the counts of one batch of
+outputs (IterationStats) that every stat logger records."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from pagellm.outputs import RequestOutput
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop", "length" or "abort"
+    e2e_latency: float
+    queue_time: float | None  # None when the request was never scheduled (or produced no token)
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """Everything one engine step (or one abort) contributed, as seen by the consumers of its outputs."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class RequestStateStats:
+    """Timing of one request, in time.monotonic() seconds, updated when its outputs reach the event loop."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # reported by the engine core with the first output
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finish_reason: str | None = None
+
+    def update(self, output: RequestOutput, now: float, iteration: IterationStats) -> None:
+        num_new = sum(len(c.token_ids) for c in output.outputs)
+        if self.first_token_time is None:
+            # The prompt counts once it has been prefilled, i.e. with the request's first output.
+            self.first_token_time = now
+            self.num_prompt_tokens = len(output.prompt_token_ids)
+            iteration.num_prompt_tokens += self.num_prompt_tokens
+            iteration.time_to_first_tokens.append(now - self.arrival_time)
+        else:
+            iteration.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
+        self.num_generation_tokens += num_new
+        iteration.num_generation_tokens += num_new
+        for completion in output.outputs:
+            self.finish_reason = completion.finish_reason or self.finish_reason
+        if output.finished:
+            iteration.finished_requests.append(self.finished(self.finish_reason or "stop", now))
+
+    def finished(self, finish_reason: str, now: float) -> FinishedRequestStats:
+        # Queue time: from arrival until the scheduler first gave the request a slot in a batch.
+        queue_time = None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return FinishedRequestStats(finish_reason, now - self.arrival_time, queue_time, self.num_prompt_tokens,
+                                    self.num_generation_tokens)
+
+
+class StatLoggerBase(ABC):
+    """Receives the IterationStats of every batch of outputs (on the event loop thread)."""
+
+    @abstractmethod
+    def record(self, iteration: IterationStats) -> None: ...
+
+    def log(self) -> None:
+        """Called periodically by the server; loggers that print something override it."""
