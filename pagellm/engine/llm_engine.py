@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
-from pagellm.core.beam_group import BeamGroup
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, PromptType
