@@ -40,7 +40,6 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
         self.groups: dict[str, set[str]] = {}  # group id -> ids of its live sequences
-        self.beam_groups: dict[str, BeamGroup] = {}
         self._finished_beam_groups: list[BeamGroup] = []
 
     # ---- request lifecycle -------------------------------------------------------------------------------
@@ -50,7 +49,6 @@ class Scheduler:
         if beam_group is not None:
             request.beam_group = beam_group
             beam_group.beams = [request]
-            self.beam_groups[beam_group.request_id] = beam_group
         self._track(request)
         self.waiting.append(request)
 
@@ -61,8 +59,6 @@ class Scheduler:
     def abort_requests(self, group_ids: list[str]) -> list[Request]:
         """Abort every sequence of these requests (user request ids)."""
         request_ids = [rid for gid in group_ids for rid in sorted(self.groups.get(gid, ()))]
-        for group_id in group_ids:
-            self.beam_groups.pop(group_id, None)
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus,
@@ -290,7 +286,6 @@ class Scheduler:
                 self.running.remove(beam)
                 self._finish(beam, RequestStatus.FINISHED_LENGTH)
             group.finish()
-            del self.beam_groups[group.request_id]
             self._finished_beam_groups.append(group)
 
     def take_finished_beam_groups(self) -> list[BeamGroup]:

@@ -12,13 +12,11 @@ import torch
 
 from pagellm.config import ModelConfig
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.engine.core_output import LogprobsEntry
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
 from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
-
-
-LogprobsEntry = tuple[list[int], list[float], list[int]]  # (ids, logprobs, ranks): the sampled token, then top-k
 
 
 @dataclass

@@ -39,13 +39,19 @@ def make_request(request_id: str, prompt_len: int, n: int = 1, max_tokens: int =
                    sampling_params=params, eos_token_ids=frozenset(), max_tokens=max_tokens)
 
 
-def test_fork_shares_blocks_and_first_write_copies_the_partial_block():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
-    parent = make_request("p", prompt_len=6)
-    assert kv.allocate_slots(parent, 6)
-    parent.num_computed_tokens = 6
+def forked_pair(kv: KVCacheManager, prompt_len: int) -> tuple[Request, Request]:
+    """A request whose prompt is in the cache, and a fork of it sharing its blocks."""
+    parent = make_request("p", prompt_len=prompt_len)
+    assert kv.allocate_slots(parent, prompt_len)
+    parent.num_computed_tokens = prompt_len
     child = parent.fork("p/1", 1)
     kv.fork(parent, child)
+    return parent, child
+
+
+def test_fork_shares_blocks_and_first_write_copies_the_partial_block():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    parent, child = forked_pair(kv, prompt_len=6)
     assert kv.get_block_ids("p/1") == kv.get_block_ids("p")
     assert [b.ref_cnt for b in kv.req_to_blocks["p"]] == [2, 2]
     assert_ref_counts_match_tables(kv)
@@ -67,11 +73,7 @@ def test_fork_shares_blocks_and_first_write_copies_the_partial_block():
 
 def test_fork_on_a_block_boundary_needs_no_copy():
     kv = KVCacheManager(num_blocks=10, block_size=4)
-    parent = make_request("p", prompt_len=8)
-    assert kv.allocate_slots(parent, 8)
-    parent.num_computed_tokens = 8
-    child = parent.fork("p/1", 1)
-    kv.fork(parent, child)
+    parent, child = forked_pair(kv, prompt_len=8)
     assert kv.allocate_slots(child, 1) and kv.allocate_slots(parent, 1)
     assert kv.take_pending_copies() == []
     assert kv.get_block_ids("p")[:2] == kv.get_block_ids("p/1")[:2]
@@ -81,11 +83,7 @@ def test_fork_on_a_block_boundary_needs_no_copy():
 
 def test_copy_on_write_without_a_free_block_changes_nothing():
     kv = KVCacheManager(num_blocks=2, block_size=4)
-    parent = make_request("p", prompt_len=6)
-    assert kv.allocate_slots(parent, 6)
-    parent.num_computed_tokens = 6
-    child = parent.fork("p/1", 1)
-    kv.fork(parent, child)
+    parent, child = forked_pair(kv, prompt_len=6)
     assert not kv.allocate_slots(child, 1)
     assert kv.get_block_ids("p/1") == kv.get_block_ids("p") and kv.take_pending_copies() == []
     assert_ref_counts_match_tables(kv)

@@ -53,6 +53,14 @@ def _one_torch_thread():
         yield
 
 
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    """transformers' float32 model of the test module's `model_dir` checkpoint (the independent reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
 @pytest.fixture(scope="session")
 def hf_greedy():
     return hf_greedy_generate

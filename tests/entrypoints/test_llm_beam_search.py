@@ -19,13 +19,6 @@ def model_dir(request, tiny_model_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                kv_cache_memory_bytes=8 << 20)

@@ -27,13 +27,6 @@ def llm(model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def prompts(make_token_prompts):
     return make_token_prompts(PROMPT_LENS, seed=7)
 
