@@ -13,21 +13,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions_total: int
+from pagellm.metrics.stats import SchedulerStats
 
 
 class Scheduler:
@@ -85,7 +77,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(len(self.running), len(self.waiting), pool.num_used_blocks, pool.num_blocks,
                               self.num_preemptions_total)
 
     # ---- one step ----------------------------------------------------------------------------------------

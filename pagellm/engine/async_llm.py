@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
-from pagellm.core.scheduler import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_output import EngineCoreOutput
 from pagellm.engine.input_processor import InputProcessor, PromptType
@@ -27,7 +26,7 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger
-from pagellm.metrics.stats import IterationStats, RequestStateStats, StatLoggerBase
+from pagellm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.transformers_utils.tokenizer import get_tokenizer

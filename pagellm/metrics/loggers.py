@@ -4,9 +4,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pagellm.core.scheduler import SchedulerStats
 from pagellm.logger import init_logger
-from pagellm.metrics.stats import IterationStats, StatLoggerBase
+from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
 
 logger = init_logger(__name__)
 

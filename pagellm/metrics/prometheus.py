@@ -1,18 +1,17 @@
 """Prometheus metrics under vLLM's names (prefix `pagellm:`), in a registry of their own per server.
 
-Scheduler gauges (running, waiting, KV usage) and the preemption counter are read from the engine's latest
+Scheduler gauges (running, waiting, KV usage and blocks) and the preemption counter are read from the engine's latest
 scheduler snapshot at scrape time; token counters and latency histograms are recorded from IterationStats.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagellm.core.scheduler import SchedulerStats
-from pagellm.metrics.stats import IterationStats, StatLoggerBase
+from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
 
 FINISH_REASONS = ("stop", "length", "abort")
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -35,7 +34,9 @@ class _SchedulerCollector(Collector):
                  stats.num_running),
                 ("pagellm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
                 ("pagellm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 stats.kv_cache_usage)):
+                 stats.kv_cache_usage),
+                ("pagellm:kv_cache_used_blocks", "KV-cache blocks held by requests.", stats.num_used_blocks),
+                ("pagellm:kv_cache_num_blocks", "KV-cache blocks in the pool.", stats.num_blocks)):
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric([self._model_name], value)
             yield gauge
@@ -50,6 +51,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self._model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(model_name, scheduler_stats))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open fds
         labels = {"model_name": model_name}
 
         def counter(name: str, documentation: str) -> Counter:

@@ -9,6 +9,21 @@ from pagellm.outputs import RequestOutput
 
 
 @dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler's queues and the KV block pool."""
+
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions_total: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+
+@dataclass
 class FinishedRequestStats:
     finish_reason: str  # "stop", "length" or "abort"
     e2e_latency: float
