@@ -49,6 +49,7 @@ class ModelConfig:
     architecture: str
     dtype: torch.dtype
     max_model_len: int
+    max_logprobs: int  # the most logprobs / prompt_logprobs one request may ask for
     seed: int = 0
     served_model_name: str | None = None
 
@@ -75,7 +76,6 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None: derived from free memory
     gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None  # filled in once the worker has sized the pool
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -1,9 +1,17 @@
 """User-facing sampling parameters (vLLM's names and semantics)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Integers reach torch as int64 (seeds, top_k, token ids); larger ones are refused here, not overflowed there.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_int(name: str, value: object, low: int, high: int, what: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be {what or 'an integer'} in [{low}, {high}], got {value!r}.")
 
 
 @dataclass
@@ -71,28 +79,38 @@ class SamplingParams:
             self.top_k = -1
         if self.logit_bias is not None:
             try:
-                self.logit_bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError):
+                self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError, OverflowError):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
+            if not all(math.isfinite(b) for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be finite numbers (no NaN or Infinity).")
+            self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self._verify()
 
     def _verify(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}.")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        _check_int("n", self.n, 1, INT64_MAX)
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.")
+        _check_int("top_k", self.top_k, -1, INT64_MAX, "-1 (disable), or at least 1")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT64_MAX)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+            # Sequence i of an n > 1 request draws from seed + i.
+            if self.seed + self.n - 1 > INT64_MAX:
+                raise ValueError(f"seed must be at most {INT64_MAX - self.n + 1} with n={self.n} (sequence i "
+                                 f"uses seed + i, a 64-bit integer), got {self.seed}.")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, INT64_MAX, "token ids (non-negative integers)")
         if any(not isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if any(s == "" for s in self.stop):
@@ -107,20 +125,17 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
+        _check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
         if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
-        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
-                                                        or self.truncate_prompt_tokens < 1):
-            raise ValueError(f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens!r}.")
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, INT64_MAX)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, INT64_MAX)
 
     @property
     def needs_penalties(self) -> bool:

@@ -1,7 +1,7 @@
 """The pool of physical KV-cache blocks: ids, reference counts and the free list."""
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 
@@ -59,6 +59,16 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free_ids.append(block.block_id)
+
+    def check_ref_counts(self, holders: Counter[int]) -> None:
+        """Raise RuntimeError unless every block's ref count equals `holders[block_id]` (how many block tables hold
+        it) and the free list holds exactly the unreferenced blocks, once each."""
+        wrong = [b.block_id for b in self.blocks if b.ref_cnt != holders.get(b.block_id, 0)]
+        if wrong:
+            raise RuntimeError(f"KV block ref counts disagree with the block tables for blocks {wrong[:10]}.")
+        unreferenced = [b.block_id for b in self.blocks if b.ref_cnt == 0]
+        if sorted(self._free_ids) != unreferenced:
+            raise RuntimeError("The KV free list does not hold exactly the unreferenced blocks.")
 
     @staticmethod
     def _check_held(blocks: list[KVCacheBlock]) -> None:

@@ -2,6 +2,8 @@
 (n > 1, beam search) and copied on write, freed at once."""
 from __future__ import annotations
 
+from collections import Counter
+
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.engine.request import Request
 
@@ -74,3 +76,12 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free(blocks)
+
+    def check_consistency(self, live_request_ids: set[str]) -> None:
+        """Raise RuntimeError unless only live requests hold block tables and every block's ref count equals the
+        number of tables holding it (checked after a failed step, before the engine goes on)."""
+        stray = set(self.req_to_blocks) - live_request_ids
+        if stray:
+            raise RuntimeError(f"Finished requests still hold KV blocks: {sorted(stray)[:10]}.")
+        self.block_pool.check_ref_counts(Counter(b.block_id for blocks in self.req_to_blocks.values()
+                                                 for b in blocks))

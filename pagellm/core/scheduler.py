@@ -7,6 +7,10 @@ into chunks (when chunked prefill is on), so decodes never stall behind it.
 
 Sequences of one user request (n > 1, beam search) are Requests with the same `group_id`; they are forked from
 one another and share KV blocks (see KVCacheManager). Aborting a group id aborts all of them.
+
+A request whose results cannot be applied (an exception while updating it) fails alone: its whole group is
+finished with FINISHED_ERROR, its blocks freed, and the failure reported through `take_failed_groups`; the other
+requests of the step go on.
 """
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.engine.request import Request, RequestStatus
+from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
+
+logger = init_logger(__name__)
 
 
 class Scheduler:
@@ -33,6 +40,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.groups: dict[str, set[str]] = {}  # group id -> ids of its live sequences
         self._finished_beam_groups: list[BeamGroup] = []
+        self._failed_groups: dict[str, str] = {}  # group id -> why it failed, until taken
 
     # ---- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
@@ -48,10 +56,24 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.groups.setdefault(request.group_id, set()).add(request.request_id)
 
-    def abort_requests(self, group_ids: list[str]) -> list[Request]:
-        """Abort every sequence of these requests (user request ids)."""
+    def abort_requests(self, group_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Finish every sequence of these requests (user request ids), aborted unless told otherwise."""
         request_ids = [rid for gid in group_ids for rid in sorted(self.groups.get(gid, ()))]
-        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return self.finish_requests(request_ids, status)
+
+    def fail_requests(self, errors: dict[str, str]) -> None:
+        """Sequence id -> why it failed: finish each one's whole group with FINISHED_ERROR (siblings too: the user
+        asked for them together) and keep the reason for `take_failed_groups`."""
+        for request_id, error in errors.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._failed_groups.setdefault(request.group_id, error)
+                self.abort_requests([request.group_id], RequestStatus.FINISHED_ERROR)
+
+    def take_failed_groups(self) -> dict[str, str]:
+        failed, self._failed_groups = self._failed_groups, {}
+        return failed
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus,
                         stop_reasons: dict[str, int | str] | None = None) -> list[Request]:
@@ -75,6 +97,27 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def check_consistency(self) -> None:
+        """Raise RuntimeError unless the queues hold exactly the live requests and the KV block accounting is
+        exact."""
+        queued = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        if queued != set(self.requests) or len(queued) != len(self.running) + len(self.waiting):
+            raise RuntimeError("The scheduler's queues disagree with its live requests.")
+        self.kv_cache_manager.check_consistency(set(self.requests))
+
+    def num_waiting_for_capacity(self) -> int:
+        """Waiting requests that could not start now even with an unlimited token budget: counting from the head
+        of the queue, those beyond the free sequence slots (n each) or the free KV blocks (their tokens so far).
+        A burst that fits is not a backlog."""
+        free_seqs = self.config.max_num_seqs - len(self.running)
+        free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
+        for position, request in enumerate(self.waiting):
+            free_seqs -= self._num_sequences(request)
+            free_blocks -= self.kv_cache_manager.num_blocks_for_tokens(request.num_tokens)
+            if free_seqs < 0 or free_blocks < 0:
+                return len(self.waiting) - position
+        return 0
 
     def stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool
@@ -116,8 +159,10 @@ class Scheduler:
         return output
 
     def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and token_budget > 0:
             request = self.waiting[0]
+            if len(self.running) + self._num_sequences(request) > self.config.max_num_seqs:
+                break
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > token_budget and not self.config.enable_chunked_prefill:
                 break
@@ -131,6 +176,13 @@ class Scheduler:
             self.running.append(request)
             output.scheduled.append(self._schedule(request, num_new))
             token_budget -= num_new
+
+    @staticmethod
+    def _num_sequences(request: Request) -> int:
+        """Sequence slots a waiting request will take: n for one that forks at its first sample (admission
+        reserves them, so forks never take the running count over max_num_seqs), else one."""
+        forks = request.num_output_tokens == 0 and request.beam_group is None
+        return request.sampling_params.n if forks else 1
 
     def _make_room_for_waiting(self, output: SchedulerOutput) -> None:
         """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not
@@ -183,53 +235,72 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
-                           logprobs: dict[str, list] | None = None, prompt_logprobs: dict | None = None
-                           ) -> tuple[list[Request], list[Request]]:
+                           logprobs: dict[str, list] | None = None, prompt_logprobs: dict | None = None,
+                           failed: dict[str, str] | None = None) -> tuple[list[Request], list[Request]]:
         """Advance every scheduled request; returns (requests that got a new token, requests that finished).
 
         `sampled`: request id -> its sampled tokens (n of them when the request forks into n sequences).
         `logprobs`: request id -> one (ids, logprobs, ranks) entry per sampled token, the token first, then top-k.
         `prompt_logprobs`: request id -> (index of the first entry, entries) for this step's prompt chunk;
         entries a preempted request already has (recomputed prefill) are not appended again.
+        `failed`: request id -> why the worker could not compute it; those requests (and any whose update raises)
+        fail with their groups (`fail_requests`) and are left out of the returned lists.
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
-        updated, finished = [], []
-        ready_groups: list[BeamGroup] = []
+        updated: list[Request] = []
+        ready_groups: dict[str, BeamGroup] = {}
+        errors = dict(failed or {})
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
-            if request is None:  # aborted while the step ran
+            if request is None or request.request_id in errors:  # aborted while the step ran, or failed in it
                 continue
-            request.num_computed_tokens += scheduled.num_tokens
-            if prompt_logprobs and request.request_id in prompt_logprobs:
-                first, entries = prompt_logprobs[request.request_id]
-                have = len(request.prompt_logprobs)
-                if first <= have:
-                    request.prompt_logprobs.extend(entries[have - first:])
-            if not scheduled.needs_sample:
+            try:
+                updated += self._update_request(request, scheduled, sampled, logprobs, prompt_logprobs)
+            except Exception as exc:
+                logger.exception("Updating request %s failed; it fails alone.", request.request_id)
+                errors[request.request_id] = f"{type(exc).__name__}: {exc}"
                 continue
-            entries = (logprobs or {}).get(request.request_id) or [None] * scheduled.num_samples
-            group = request.beam_group
-            if group is not None:
-                ids, values, _ = entries[0]
-                request.beam_candidates = (ids[1:], values[1:])  # the top-k, after the sampled (argmax) token
-                if group.ready:
-                    ready_groups.append(group)
-                continue
-            tokens = sampled[request.request_id]
-            sequences = [request] + self._fork_samples(request, len(tokens) - 1)
-            for sequence, token, entry in zip(sequences, tokens, entries):
-                if entry is not None:
-                    sequence.logprobs.append(entry)
-                    sequence.cumulative_logprob += entry[1][0]
-                sequence.append_output_token(token)
-                updated.append(sequence)
-                status = self._check_stop(sequence)
-                if status is not None:
-                    self.running.remove(sequence)
-                    self._finish(sequence, status)
-                    finished.append(sequence)
-        for group in ready_groups:
-            self._advance_beams(group)
-        return updated, finished
+            if request.beam_group is not None and request.beam_group.ready:
+                ready_groups[request.group_id] = request.beam_group
+        for group in ready_groups.values():
+            try:
+                self._advance_beams(group)
+            except Exception as exc:
+                logger.exception("Advancing beam search %s failed; it fails alone.", group.request_id)
+                errors[group.beams[0].request_id] = f"{type(exc).__name__}: {exc}"
+        if errors:
+            self.fail_requests(errors)
+            updated = [r for r in updated if r.status != RequestStatus.FINISHED_ERROR]
+        return updated, [r for r in updated if r.is_finished]
+
+    def _update_request(self, request: Request, scheduled: ScheduledRequest, sampled: dict[str, list[int]],
+                        logprobs: dict[str, list] | None, prompt_logprobs: dict | None) -> list[Request]:
+        """Apply one scheduled request's results; returns its sequences that got a token (several when it
+        forks)."""
+        request.num_computed_tokens += scheduled.num_tokens
+        if prompt_logprobs and request.request_id in prompt_logprobs:
+            first, entries = prompt_logprobs[request.request_id]
+            have = len(request.prompt_logprobs)
+            if first <= have:
+                request.prompt_logprobs.extend(entries[have - first:])
+        if not scheduled.needs_sample:
+            return []
+        entries = (logprobs or {}).get(request.request_id) or [None] * scheduled.num_samples
+        if request.beam_group is not None:
+            ids, values, _ = entries[0]
+            request.beam_candidates = (ids[1:], values[1:])  # the top-k, after the sampled (argmax) token
+            return []
+        tokens = sampled[request.request_id]
+        sequences = [request] + self._fork_samples(request, len(tokens) - 1)
+        for sequence, token, entry in zip(sequences, tokens, entries):
+            if entry is not None:
+                sequence.logprobs.append(entry)
+                sequence.cumulative_logprob += entry[1][0]
+            sequence.append_output_token(token)
+            status = self._check_stop(sequence)
+            if status is not None:
+                self.running.remove(sequence)
+                self._finish(sequence, status)
+        return sequences
 
     def _fork_samples(self, request: Request, num_forks: int) -> list[Request]:
         """n > 1: sequences 1..n-1 of `request`, sharing its blocks, running right after it. With a seed, sequence

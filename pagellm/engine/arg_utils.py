@@ -27,6 +27,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     served_model_name: str | None = None
+    max_logprobs: int = 20
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -45,6 +46,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             served_model_name=self.served_model_name or (str(self.model) if self.model else DEFAULT_MODEL_NAME),
+            max_logprobs=self.max_logprobs,
         )
         return EngineConfig(
             model_config=model_config,
@@ -74,20 +76,25 @@ class EngineArgs:
         parser.add_argument("--model", default=None,
                             help="checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
         parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        parser.add_argument("--dtype", default=EngineArgs.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                             help="auto: float32 on CPU, bfloat16 on CUDA")
-        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--device", default=EngineArgs.device, choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--seed", type=int, default=EngineArgs.seed)
         parser.add_argument("--max-model-len", type=int, default=None,
                             help="context length (prompt + output); default: the model's")
-        parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="tokens per KV cache block")
         parser.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=parse_size, default=None,
                             help="KV cache size, e.g. 2GiB or 512MB (default: a share of free RAM on CPU, "
                                  "--gpu-memory-utilization on CUDA)")
-        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-        parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        parser.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization)
+        parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs,
+                            help="most sequences in one step")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens,
+                            help="token budget of one step")
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                            default=EngineArgs.enable_chunked_prefill)
+        parser.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
+                            help="the most logprobs / prompt_logprobs (top tokens per position) a request may ask for")
         return parser
 
     @classmethod

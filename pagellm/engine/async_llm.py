@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_output import EngineCoreOutput
+from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
+from pagellm.engine.exceptions import EngineDeadError, QueueFullError, RequestFailedError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import OutputProcessor
@@ -32,14 +33,6 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.transformers_utils.tokenizer import get_tokenizer
 
 logger = init_logger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """`max_waiting_requests` requests are already waiting; the server answers 503 with Retry-After."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shut down, or failed): no request can run."""
 
 
 class _Aborted:
@@ -83,7 +76,7 @@ class AsyncLLM:
         self.config: EngineConfig = engine.config
         # The event loop's own tokenizer (a Hugging Face fast tokenizer must not be shared across threads).
         self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
-        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer,
+        self.input_processor = InputProcessor(self.config, self.core.num_blocks, self.tokenizer,
                                               engine.input_processor.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.max_waiting_requests = max_waiting_requests
@@ -161,6 +154,13 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._stopped_reason is None and self._thread.is_alive()
 
+    def max_requests_at_once(self, n: int) -> int | None:
+        """How many requests of n sequences each can be running or waiting at once (None: no limit): a batch of
+        more prompts than this could never be queued, so it is refused rather than told to retry."""
+        if self.max_waiting_requests is None:
+            return None
+        return self.config.scheduler_config.max_num_seqs // n + self.max_waiting_requests
+
     def get_scheduler_stats(self) -> SchedulerStats:
         return self._scheduler_stats
 
@@ -171,12 +171,24 @@ class AsyncLLM:
         for stat_logger in self.stat_loggers:
             stat_logger.log()
 
-    def _process_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    def _process_core_outputs(self, outputs: list[EngineCoreOutput], failed: dict[str, str]) -> None:
         """On the event loop: detokenize one step's outputs, report stop-string finishes to the engine thread,
-        timestamp and queue each request's RequestOutput, then record their stats."""
+        timestamp and queue each request's RequestOutput, then record their stats. Requests that failed (in the
+        core, or here while building their output) end with RequestFailedError."""
         processed = self.output_processor.process_outputs(outputs, delta=True)
         if processed.stopped:
             self._inbox.put(_FinishStopped(processed.stopped))
+        for request_id in processed.failed:  # the core still runs these: free their blocks
+            self._inbox.put(_AbortRequest(request_id))
+        failures = IterationStats()
+        for request_id, error in (failed | processed.failed).items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                self._drop(request_id)
+                stream.queue.put_nowait(RequestFailedError({request_id: error}))
+                failures.finished_requests.append(stream.stats.finished("error", time.monotonic()))
+        if failures.finished_requests:
+            self._record(failures)
         for output in outputs:
             stream = self._streams.get(output.group_id)
             if stream is not None and stream.stats.first_scheduled_time is None:
@@ -210,7 +222,7 @@ class AsyncLLM:
         reason = "The server is shutting down."
         try:
             while self._process_inbox(block=not self.core.has_unfinished_requests()):
-                outputs = self.core.step().outputs if self.core.has_unfinished_requests() else []
+                outputs = self.core.step() if self.core.has_unfinished_requests() else EngineCoreOutputs()
                 # Before the outputs reach their consumers, so a finished request is never still counted.
                 self._scheduler_stats = self.core.scheduler.stats()
                 self._send_outputs(outputs)
@@ -244,24 +256,29 @@ class AsyncLLM:
     def _add(self, item: _AddRequest) -> None:
         request_id = item.request.request_id
         try:
-            waiting = self.core.scheduler.stats().num_waiting
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"{waiting} requests are already waiting (--max-waiting-requests); "
-                                     f"retry later.")
+            if self.max_waiting_requests is not None:
+                waiting = self.core.scheduler.num_waiting_for_capacity()
+                if waiting >= self.max_waiting_requests:
+                    raise QueueFullError(f"{waiting} requests are already waiting for capacity "
+                                         f"(--max-waiting-requests); retry later.")
             self.core.add_request(item.request)
         except Exception as exc:  # refused: fails this request only
             self._call_soon(item.loop, self._fail, [request_id], exc)
             return
         self._request_loops[request_id] = item.loop
 
-    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[EngineCoreOutput]] = {}
-        for output in outputs:
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        batches: dict[asyncio.AbstractEventLoop, tuple[list[EngineCoreOutput], dict[str, str]]] = {}
+        for output in outputs.outputs:
             loop = self._request_loops.get(output.group_id)
             if loop is not None:
-                batches.setdefault(loop, []).append(output)
-        for loop, items in batches.items():  # one wake-up of each event loop per step
-            self._call_soon(loop, self._process_core_outputs, items)
+                batches.setdefault(loop, ([], {}))[0].append(output)
+        for request_id, error in outputs.failed.items():
+            loop = self._request_loops.get(request_id)
+            if loop is not None:
+                batches.setdefault(loop, ([], {}))[1][request_id] = error
+        for loop, (items, failed) in batches.items():  # one wake-up of each event loop per step
+            self._call_soon(loop, self._process_core_outputs, items, failed)
         groups = self.core.scheduler.groups
         for request_id in [r for r in self._request_loops if r not in groups]:  # finished in the core
             del self._request_loops[request_id]

@@ -1,9 +1,15 @@
-"""EngineCore: the step loop. Schedule, execute on the workers, update request state."""
+"""EngineCore: the step loop. Schedule, execute on the workers, update request state.
+
+Failures stay as small as they can: a request whose own work fails (in the worker or while its results are
+applied) fails alone with its group; a step that fails as a whole fails the requests it held, and the engine goes
+on once the block accounting checks out. Only repeated whole-step failures, or accounting that no longer adds
+up, raise out of `step()` (the engine is then dead)."""
 from __future__ import annotations
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from pagellm.engine.request import Request, RequestStatus
@@ -14,17 +20,19 @@ from pagellm.worker.worker import GiB
 
 logger = init_logger(__name__)
 
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.executor = UniProcExecutor(config)
-        num_blocks = self.executor.determine_num_blocks()
-        config.cache_config.num_blocks = num_blocks
-        self.executor.initialize_cache(num_blocks)
-        self._log_cache(num_blocks)
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache_config.block_size)
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(self.num_blocks)
+        self._log_cache(self.num_blocks)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self._consecutive_failed_steps = 0
 
     def _log_cache(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -54,13 +62,32 @@ class EngineCore:
         if output.is_empty and self.scheduler.has_unfinished_requests():
             # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
             raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
-        result = self.executor.execute_model(output)
+        try:
+            result = self.executor.execute_model(output)
+        except Exception as exc:
+            self._recover_from_failed_step(output, exc)
+            return EngineCoreOutputs(failed=self.scheduler.take_failed_groups())
+        self._consecutive_failed_steps = 0
         updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
-                                                       result.prompt_logprobs)
-        outputs = EngineCoreOutputs([self._snapshot(request) for request in updated])
+                                                       result.prompt_logprobs, result.failed)
+        outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],
+                                    failed=self.scheduler.take_failed_groups())
+        if outputs.failed:
+            self.scheduler.check_consistency()
         for group in self.scheduler.take_finished_beam_groups():
             outputs.finished_beam_searches[group.request_id] = group.result()
         return outputs
+
+    def _recover_from_failed_step(self, output: SchedulerOutput, exc: Exception) -> None:
+        """The step failed as a whole: fail the requests it held (their K/V may be half written) and check the
+        block accounting before going on. Raises when too many steps failed in a row."""
+        self._consecutive_failed_steps += 1
+        logger.error("An engine step failed (%d in a row); its %d requests fail.", self._consecutive_failed_steps,
+                     len(output.scheduled), exc_info=exc)
+        if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise RuntimeError(f"{self._consecutive_failed_steps} engine steps failed in a row.") from exc
+        self.scheduler.fail_requests({r.request_id: f"{type(exc).__name__}: {exc}" for r in output.scheduled})
+        self.scheduler.check_consistency()
 
     @staticmethod
     def _snapshot(request: Request) -> EngineCoreOutput:

@@ -31,3 +31,6 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     # Beam searches that finished this step: user request id -> result (text not yet decoded).
     finished_beam_searches: dict[str, BeamSearchOutput] = field(default_factory=dict)
+    # Requests that failed inside the engine this step: user request id -> why (each sequence finished, blocks
+    # freed; the rest of the batch went on).
+    failed: dict[str, str] = field(default_factory=dict)

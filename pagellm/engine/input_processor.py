@@ -1,9 +1,11 @@
-"""Validates and tokenizes what users submit, turning it into engine Requests."""
+"""Validates and tokenizes what users submit, turning it into engine Requests. Everything that depends on this
+engine (vocabulary, context length, sequence slots, KV pool size, max_logprobs) is checked here, so a request the
+engine could never serve is refused with a ValueError naming the field and the limit, before it is queued."""
 from __future__ import annotations
 
 from typing import Any, Union
 
-from pagellm.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.engine.request import Request
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -12,8 +14,11 @@ PromptType = Union[str, dict[str, Any]]  # "text" | {"prompt": "text"} | {"promp
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer, eos_token_ids: frozenset[int]) -> None:
-        self.model_config = model_config
+    def __init__(self, config: EngineConfig, num_blocks: int, tokenizer, eos_token_ids: frozenset[int]) -> None:
+        self.model_config = config.model_config
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.block_size = config.cache_config.block_size
+        self.num_blocks = num_blocks
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
 
@@ -35,30 +40,30 @@ class InputProcessor:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         self._validate_tokens(token_ids)
         bad_words_token_ids = self._validate_params(params)
+        self._check_capacity(len(token_ids), params)
         # The scheduler also stops every request at max_model_len tokens in all.
         max_tokens = params.max_tokens or self.model_config.max_model_len
         return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text,
                        bad_words_token_ids=bad_words_token_ids)
 
-    def process_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
-                            cache_config: CacheConfig, scheduler_config: SchedulerConfig
-                            ) -> tuple[Request, BeamGroup]:
+    def process_beam_search(self, request_id: str, prompt: PromptType,
+                            params: BeamSearchParams) -> tuple[Request, BeamGroup]:
         """The first beam (the prompt) and its group. Every beam samples greedily and reports its
         2 * beam_width most likely next tokens; the group's EOS handling replaces the per-request one."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
         text, token_ids = self.tokenize(prompt)
         self._validate_tokens(token_ids)
-        if params.beam_width > scheduler_config.max_num_seqs:
-            raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs="
-                             f"{scheduler_config.max_num_seqs}; lower beam_width or raise --max-num-seqs.")
+        if params.beam_width > self.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs={self.max_num_seqs}; lower "
+                             f"beam_width or raise --max-num-seqs.")
         # The group must fit the pool on its own, even if no block were shared.
         length = min(len(token_ids) + params.max_tokens, self.model_config.max_model_len)
-        needed = params.beam_width * -(-length // cache_config.block_size)
-        if needed > cache_config.num_blocks:
+        needed = params.beam_width * self._blocks(length)
+        if needed > self.num_blocks:
             raise ValueError(f"beam_width={params.beam_width} beams of up to {length} tokens need {needed} KV "
-                             f"blocks, more than the {cache_config.num_blocks} in the pool; lower beam_width or "
+                             f"blocks, more than the {self.num_blocks} in the pool; lower beam_width or "
                              f"max_tokens, or raise the KV cache memory (--kv-cache-memory).")
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False,
                                   logprobs=min(2 * params.beam_width, self.model_config.vocab_size))
@@ -66,13 +71,40 @@ class InputProcessor:
                           eos_token_ids=self.eos_token_ids, max_tokens=params.max_tokens, prompt=text)
         return request, BeamGroup(request_id, params, self.eos_token_ids)
 
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _check_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The n sequences of a request must fit max_num_seqs and, at full length, the KV pool (sharing only the
+        prompt's full blocks), or they would thrash in preemptions forever."""
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.max_num_seqs}; lower n or raise "
+                             f"--max-num-seqs.")
+        max_model_len = self.model_config.max_model_len
+        length = min(num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len)
+        shared = num_prompt_tokens // self.block_size
+        needed = shared + params.n * (self._blocks(length) - shared)
+        if needed > self.num_blocks:
+            raise ValueError(f"n={params.n} sequences of up to {length} tokens need {needed} KV blocks, more than "
+                             f"the {self.num_blocks} in the pool; lower n or max_tokens, or raise the KV cache "
+                             f"memory (--kv-cache-memory).")
+
     def _validate_params(self, params: SamplingParams) -> list[list[int]]:
-        """Check the token ids params name against the vocabulary; returns bad_words tokenized."""
+        """Check the token ids params name against the vocabulary, and logprobs against max_logprobs; returns
+        bad_words tokenized."""
         vocab = self.model_config.vocab_size
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"logit_bias token id {bad[0]} is out of range: ids must be in [0, {vocab}).")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids token id {bad[0]} is out of range: ids must be in [0, {vocab}).")
+        max_logprobs = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
         bad_words_token_ids = self.tokenize_bad_words(params.bad_words or [])
         for ids in bad_words_token_ids:
             if any(not 0 <= t < vocab for t in ids):

@@ -5,6 +5,7 @@ from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
+from pagellm.engine.exceptions import RequestFailedError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.request import RequestStatus
@@ -18,10 +19,10 @@ class LLMEngine:
         self.config = config
         model_config = config.model_config
         self.tokenizer = get_tokenizer(model_config.tokenizer)
-        eos_token_ids = get_eos_token_ids(model_config.model, model_config.hf_config, self.tokenizer)
-        self.input_processor = InputProcessor(model_config, self.tokenizer, eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
+        eos_token_ids = get_eos_token_ids(model_config.model, model_config.hf_config, self.tokenizer)
+        self.input_processor = InputProcessor(config, self.engine_core.num_blocks, self.tokenizer, eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._beam_prompt_lens: dict[str, int] = {}  # live beam searches: request id -> prompt length
 
     @classmethod
@@ -37,9 +38,7 @@ class LLMEngine:
 
     def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> int:
         """Queue a beam search; its result comes back from `step_outputs` when it finishes."""
-        request, group = self.input_processor.process_beam_search(request_id, prompt, params,
-                                                                 self.config.cache_config,
-                                                                 self.config.scheduler_config)
+        request, group = self.input_processor.process_beam_search(request_id, prompt, params)
         self.engine_core.add_request(request, group)
         self._beam_prompt_lens[request_id] = request.num_prompt_tokens
         return request.num_prompt_tokens
@@ -62,13 +61,18 @@ class LLMEngine:
         """Run one step. Returns a RequestOutput for every request that got a token (for streaming: unfinished
         ones carry only text no stop string can retract; `delta` gives only what is new since the last
         step), a BeamSearchOutput (with `request_id` set) for every beam search that finished, and how many
-        tokens were generated."""
+        tokens were generated. Raises RequestFailedError (after freeing them) when requests failed inside the
+        engine."""
         core_outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(core_outputs.outputs, delta=delta)
         if processed.stopped:
             # A stop string ended these: finish them in the core now so their KV blocks go back to the pool.
             self.engine_core.finish_requests(list(processed.stopped), RequestStatus.FINISHED_STOPPED,
                                              stop_reasons=dict(processed.stopped))
+        failed = core_outputs.failed | processed.failed
+        if failed:
+            self.abort_request(list(failed))
+            raise RequestFailedError(failed)
         outputs: list[RequestOutput | BeamSearchOutput] = list(processed.request_outputs)
         for request_id, result in core_outputs.finished_beam_searches.items():
             num_prompt_tokens = self._beam_prompt_lens.pop(request_id)

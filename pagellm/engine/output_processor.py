@@ -2,7 +2,8 @@
 IncrementalDetokenizer per sequence (created on add or when a request forks into n sequences, dropped on finish
 or abort), stop strings, finish reasons, logprobs, and per-step streaming-safe text.
 
-It reads no live engine state, so it can run in another thread than the engine core."""
+It reads no live engine state, so it can run in another thread than the engine core. A request whose output
+cannot be built (say, its detokenization raises) is dropped and reported in `failed`; the others go on."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,8 +11,11 @@ from dataclasses import dataclass, field
 from pagellm.engine.core_output import EngineCoreOutput, LogprobsEntry
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.request import Request
+from pagellm.logger import init_logger
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -19,6 +23,9 @@ class OutputProcessorOutput:
     request_outputs: list[RequestOutput] = field(default_factory=list)  # one per request with news
     # Sequences a stop string ended that the engine core still runs: sequence id -> the matched string.
     stopped: dict[str, str] = field(default_factory=dict)
+    # Requests whose outputs could not be built: request id -> why. Their state is gone; the caller aborts them
+    # in the engine core and reports the error.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -81,23 +88,45 @@ class OutputProcessor:
         touched: dict[str, list[_SequenceState]] = {}
         for output in outputs:
             state = self.request_states.get(output.group_id)
-            if state is None:  # aborted meanwhile
+            if state is None or state.request_id in result.failed:  # aborted meanwhile, or failed this step
                 continue
-            sequence = state.sequences.get(output.index)
-            if sequence is None:
-                sequence = self._add_sequence(state, output.index)
-            if sequence.finished:  # stopped by a stop string; the core had one more step in flight
+            try:
+                sequence = self._apply(state, output, result)
+            except Exception as exc:
+                self._fail(state.request_id, exc, result)
                 continue
-            if output.prompt_logprobs is not None:
-                state.prompt_logprobs = [None] + [self._to_logprobs(e) for e in output.prompt_logprobs]
-            self._update_sequence(sequence, output, result)
-            touched.setdefault(state.request_id, []).append(sequence)
+            if sequence is not None:
+                touched.setdefault(state.request_id, []).append(sequence)
         for request_id, sequences in touched.items():
-            state = self.request_states[request_id]
-            result.request_outputs.append(self._make_output(state, sequences, delta))
+            state = self.request_states.get(request_id)
+            if state is None:
+                continue
+            try:
+                result.request_outputs.append(self._make_output(state, sequences, delta))
+            except Exception as exc:
+                self._fail(request_id, exc, result)
+                continue
             if state.finished:
                 del self.request_states[request_id]
         return result
+
+    def _apply(self, state: _RequestState, output: EngineCoreOutput,
+               result: OutputProcessorOutput) -> _SequenceState | None:
+        """One sequence's news; returns the sequence, or None when a stop string already ended it."""
+        sequence = state.sequences.get(output.index)
+        if sequence is None:
+            sequence = self._add_sequence(state, output.index)
+        if sequence.finished:  # stopped by a stop string; the core had one more step in flight
+            return None
+        if output.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] + [self._to_logprobs(e) for e in output.prompt_logprobs]
+        self._update_sequence(sequence, output, result)
+        return sequence
+
+    def _fail(self, request_id: str, exc: Exception, result: OutputProcessorOutput) -> None:
+        logger.error("Building the output of request %s failed; it fails alone.", request_id, exc_info=exc)
+        result.failed[request_id] = f"{type(exc).__name__}: {exc}"
+        del self.request_states[request_id]
 
     def _add_sequence(self, state: _RequestState, index: int) -> _SequenceState:
         params = state.params

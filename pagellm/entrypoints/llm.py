@@ -23,20 +23,14 @@ class LLM:
     """An engine for offline batched generation.
 
     Args mirror vLLM's: `model` is a checkpoint directory, a .gguf file or a hub id (None: SmolLM2-135M-Instruct);
-    `kv_cache_memory_bytes` sizes the KV block pool (default: a share of free RAM on CPU, or
-    `gpu_memory_utilization` of the device on CUDA). Other keyword arguments go to `EngineArgs`.
+    every other keyword argument is an `EngineArgs` field with its default there (`tokenizer`, `dtype`, `device`,
+    `seed`, `max_model_len`, `block_size`, `kv_cache_memory_bytes` (default: a share of free RAM on CPU, or
+    `gpu_memory_utilization` of the device on CUDA), `max_num_seqs`, `max_num_batched_tokens`,
+    `enable_chunked_prefill`, `max_logprobs`, ...).
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
-                 dtype: str = "auto", device: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 block_size: int = 16, kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 **kwargs: Any) -> None:
-        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
-                          max_model_len=max_model_len, block_size=block_size,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens,
-                          enable_chunked_prefill=enable_chunked_prefill, **kwargs)
+    def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
 

@@ -25,7 +25,7 @@ class SchedulerStats:
 
 @dataclass
 class FinishedRequestStats:
-    finish_reason: str  # "stop", "length" or "abort"
+    finish_reason: str  # "stop", "length", "abort" or "error"
     e2e_latency: float
     queue_time: float | None  # None when the request was never scheduled (or produced no token)
     num_prompt_tokens: int

@@ -2,6 +2,10 @@
 
 Inputs are built on the CPU with NumPy (one vectorised pass for the slot mapping) and, on CUDA, staged in
 pinned host buffers and copied with non_blocking=True.
+
+A request whose own work fails (its prompt logprobs, its sampling parameters) is reported in
+`ModelRunnerOutput.failed` and the rest of the batch keeps its results: when a batched sampling call raises, each
+request's rows are sampled alone (seeded generators rewound first) to find the one that breaks it.
 """
 from __future__ import annotations
 
@@ -13,10 +17,18 @@ import torch
 from pagellm.config import ModelConfig
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.engine.core_output import LogprobsEntry
+from pagellm.logger import init_logger
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
 from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
+
+logger = init_logger(__name__)
+
+
+def _record_failure(failed: dict[str, str], request_id: str, what: str, exc: Exception) -> None:
+    logger.error("%s of request %s failed; the request fails alone.", what, request_id, exc_info=exc)
+    failed[request_id] = f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -27,6 +39,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
     # request id -> (index of the first entry, entries): prompt logprobs of this step's prefill chunk.
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    # request id -> why its part of the step failed (it gets no results; the engine fails it alone).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,7 +122,7 @@ class ModelRunner:
     def sampling_tensors(self, requests: list[ScheduledRequest]) -> SamplingTensors:
         params = [r.sampling_params for r in requests]
         vocab = self.model_config.vocab_size
-        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
         generators = {}
         for row, (request, p) in enumerate(zip(requests, params)):
             if p.seed is not None and not p.is_greedy:
@@ -163,19 +177,24 @@ class ModelRunner:
             tensors.bans = (torch.tensor(ban_rows, device=self.device), torch.tensor(ban_ids, device=self.device))
         return tensors
 
-    def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs) -> dict[str, tuple[int, list]]:
+    def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs,
+                                failed: dict[str, str]) -> dict[str, tuple[int, list]]:
         """Logprobs of each prompt token (after the first) from the previous position's raw logits, for the
-        positions of this step's chunk only; later chunks continue where this one ends."""
+        positions of this step's chunk only; later chunks continue where this one ends. A request whose
+        computation raises goes into `failed`."""
         result = {}
         for request, flat_start in inputs.prompt_logprobs:
-            prompt = request.prompt_token_ids
-            start = request.num_computed_tokens
-            end = min(start + request.num_tokens, len(prompt) - 1)
-            logits = self.model.compute_logits(hidden[flat_start:flat_start + end - start])
-            targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.int64, device=self.device)
-            num = request.sampling_params.prompt_logprobs
-            result[request.request_id] = (start, gather_logprobs(logits.log_softmax(dim=-1), targets,
-                                                                 [num] * (end - start)))
+            try:
+                prompt = request.prompt_token_ids
+                start = request.num_computed_tokens
+                end = min(start + request.num_tokens, len(prompt) - 1)
+                logits = self.model.compute_logits(hidden[flat_start:flat_start + end - start])
+                targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.int64, device=self.device)
+                num = request.sampling_params.prompt_logprobs
+                result[request.request_id] = (start, gather_logprobs(logits.log_softmax(dim=-1), targets,
+                                                                     [num] * (end - start)))
+            except Exception as exc:
+                _record_failure(failed, request.request_id, "Prompt logprobs", exc)
         return result
 
     # ---- execution ---------------------------------------------------------------------------------------
@@ -187,16 +206,59 @@ class ModelRunner:
             return ModelRunnerOutput({})
         inputs = self.prepare_inputs(output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs) if inputs.prompt_logprobs else {}
+        failed: dict[str, str] = {}
+        prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs, failed) if inputs.prompt_logprobs else {}
         if not inputs.sampled:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        out = self.sampler(logits, self.sampling_tensors(inputs.sampled))
+        rows = self._sample(logits, inputs.sampled, failed)
         sampled: dict[str, list[int]] = {}
-        for request, token in zip(inputs.sampled, out.sampled.tolist()):
-            sampled.setdefault(request.request_id, []).append(token)
         logprobs: dict[str, list[LogprobsEntry]] = {}
-        for request, entry in zip(inputs.sampled, out.logprobs or ()):
+        for row in sorted(rows):  # row order keeps an n > 1 request's samples in sequence order
+            request_id = inputs.sampled[row].request_id
+            token, entry = rows[row]
+            sampled.setdefault(request_id, []).append(token)
             if entry is not None:
-                logprobs.setdefault(request.request_id, []).append(entry)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+                logprobs.setdefault(request_id, []).append(entry)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, failed)
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                failed: dict[str, str]) -> dict[int, tuple[int, LogprobsEntry | None]]:
+        """Sample every logits row (one per entry of `requests`) of requests not in `failed`, in one batch; if
+        that raises, sample each request's rows alone so that only the request that breaks sampling fails (it
+        goes into `failed`). Returns row -> (token, logprobs entry or None)."""
+        by_request: dict[str, list[int]] = {}
+        for row, request in enumerate(requests):
+            if request.request_id not in failed:
+                by_request.setdefault(request.request_id, []).append(row)
+        rows = [row for request_rows in by_request.values() for row in request_rows]
+        if not rows:
+            return {}
+        states = {rid: self.generators[rid].get_state() for rid in by_request if rid in self.generators}
+        try:
+            return self._sample_rows(logits, requests, rows)
+        except Exception as exc:
+            if len(by_request) == 1:
+                _record_failure(failed, next(iter(by_request)), "Sampling", exc)
+                return {}
+        # Rewind seeded generators (and drop ones the failed call created) so the retries draw what they would
+        # have drawn in the batch.
+        for request_id in by_request:
+            if request_id in states:
+                self.generators[request_id].set_state(states[request_id])
+            else:
+                self.generators.pop(request_id, None)
+        results: dict[int, tuple[int, LogprobsEntry | None]] = {}
+        for request_id, request_rows in by_request.items():
+            try:
+                results.update(self._sample_rows(logits, requests, request_rows))
+            except Exception as exc:
+                _record_failure(failed, request_id, "Sampling", exc)
+        return results
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                     rows: list[int]) -> dict[int, tuple[int, LogprobsEntry | None]]:
+        subset = logits if len(rows) == len(requests) else logits[rows]
+        out = self.sampler(subset, self.sampling_tensors([requests[row] for row in rows]))
+        entries = out.logprobs or [None] * len(rows)
+        return dict(zip(rows, zip(out.sampled.tolist(), entries)))

@@ -101,8 +101,11 @@ def test_seeded_n_is_reproducible_across_batches_and_preemption(model_dir, make_
     alone = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                 kv_cache_memory_bytes=8 << 20)
     expected = [[c.token_ids for c in alone.generate(p, params, use_tqdm=False)[0].outputs] for p in prompts]
-    # A pool of just over one max_model_len request: the batch cannot fit, so sequences are preempted.
-    num_blocks = MAX_MODEL_LEN // BLOCK_SIZE + 2
+    # A pool that holds the largest request's n sequences at full length (what admission requires) and one
+    # block more: the batch cannot fit, so sequences are preempted.
+    full_len = len(prompts[2]["prompt_token_ids"]) + params.max_tokens
+    shared = len(prompts[2]["prompt_token_ids"]) // BLOCK_SIZE
+    num_blocks = shared + params.n * (-(-full_len // BLOCK_SIZE) - shared) + 1
     small = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                 kv_cache_memory_bytes=pool_bytes(model_dir, BLOCK_SIZE, num_blocks))
     mixed = small.generate(prompts + prompts[:2], [params] * 4 + [other] * 2, use_tqdm=False)
@@ -125,5 +128,5 @@ def test_abort_frees_every_sequence(llm, make_token_prompts, no_leaks):
 
 def test_invalid_n_names_the_field():
     for bad in (0, -1, 1.5):
-        with pytest.raises(ValueError, match="n must be a positive integer"):
+        with pytest.raises(ValueError, match=r"n must be an integer in \[1, "):
             SamplingParams(n=bad)

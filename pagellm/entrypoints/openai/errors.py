@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagellm.engine.async_llm import EngineDeadError, QueueFullError
+from pagellm.engine.exceptions import EngineDeadError, QueueFullError, RequestFailedError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
@@ -59,6 +59,10 @@ def to_error_body(exc: Exception) -> ErrorResponse:
         return error_body(str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
     if isinstance(exc, EngineDeadError):
         return error_body(str(exc), HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(exc, RequestFailedError):
+        # The cause is in the server log; the client learns only that its request alone failed.
+        return error_body("The request failed inside the engine (other requests were not affected); see the "
+                          "server log.", HTTPStatus.INTERNAL_SERVER_ERROR)
     return error_body("Internal server error; see the server log.", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
@@ -101,7 +105,7 @@ def register_error_handlers(app: FastAPI) -> None:
         # Starlette re-raises after this handler, so the server logs the trace; the client gets no details.
         return JSONResponse(to_error_body(exc).model_dump(), status_code=HTTPStatus.INTERNAL_SERVER_ERROR.value)
 
-    for exc_class in (OpenAIServingError, ValueError, QueueFullError, EngineDeadError):
+    for exc_class in (OpenAIServingError, ValueError, QueueFullError, EngineDeadError, RequestFailedError):
         app.add_exception_handler(exc_class, on_serving_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
