@@ -1,12 +1,22 @@
-"""Shared fixtures: the default SmolLM2 model converted once per session, and tiny random-weight checkpoints
-(Llama, Qwen2, Qwen3) built from Hugging Face configs, with SmolLM2's real tokenizer."""
+"""Shared fixtures: the default SmolLM2 model converted once per session, tiny random-weight checkpoints
+(Llama, Qwen2, Qwen3) built from Hugging Face configs with SmolLM2's real tokenizer, and live `pagellm serve`
+subprocesses on 127.0.0.1 (a free port each) with helpers to read their /metrics."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -72,3 +82,96 @@ def tiny_model_factory(tmp_path_factory, smollm2_dir):
         return cache[key]
 
     return make
+
+
+# ---------------------------------------------------------------- live servers
+
+SERVED_MODEL_NAME = "tiny"
+SERVED_MODEL_ALIAS = "tiny-alias"
+SERVER_MAX_MODEL_LEN = 256
+SERVER_START_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RemoteServer:
+    """`python -m pagellm.entrypoints.cli serve MODEL ...` in a subprocess, ready once /health answers 200."""
+
+    model_name = SERVED_MODEL_NAME
+    alias = SERVED_MODEL_ALIAS
+
+    def __init__(self, model_dir: Path, extra_args: list[str], log_path: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.api_key = extra_args[extra_args.index("--api-key") + 1] if "--api-key" in extra_args else None
+        args = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+                "--port", str(self.port), "--served-model-name", SERVED_MODEL_NAME, SERVED_MODEL_ALIAS,
+                "--max-model-len", str(SERVER_MAX_MODEL_LEN),
+                "--kv-cache-memory", "4MiB", "--uvicorn-log-level", "warning", *extra_args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PAGELLM_API_KEY="")
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"the server did not start in {SERVER_START_TIMEOUT_S} s:\n{self.log()}")
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """/metrics as {(sample name, sorted labels other than model_name): value}."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))):
+                sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+
+    def wait_until_idle(self, timeout_s: float = 15.0) -> dict[tuple[str, tuple], float]:
+        """Poll /metrics until no request runs or waits and no KV block is held; returns the last reading."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            metrics = self.metrics()
+            idle = (metrics[("pagellm:num_requests_running", ())] == 0
+                    and metrics[("pagellm:num_requests_waiting", ())] == 0
+                    and metrics[("pagellm:kv_cache_usage_perc", ())] == 0)
+            if idle or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory) -> Callable[..., Iterator[RemoteServer]]:
+    """In a fixture, `yield from start_server(model_dir, *serve_flags)` serves model_dir until the fixture ends."""
+
+    def start(model_dir: Path, *extra_args: str) -> Iterator[RemoteServer]:
+        server = RemoteServer(model_dir, list(extra_args), tmp_path_factory.mktemp("server") / "server.log")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    return start

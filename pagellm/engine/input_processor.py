@@ -78,16 +78,16 @@ class InputProcessor:
         """The n sequences of a request must fit max_num_seqs and, at full length, the KV pool (sharing only the
         prompt's full blocks), or they would thrash in preemptions forever."""
         if params.n > self.max_num_seqs:
-            raise ValueError(f"n={params.n} is more than max_num_seqs={self.max_num_seqs}; lower n or raise "
-                             f"--max-num-seqs.")
+            raise ValueError(f"n must be at most max_num_seqs={self.max_num_seqs}, got {params.n}; lower n or "
+                             f"raise --max-num-seqs.")
         max_model_len = self.model_config.max_model_len
         length = min(num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len)
         shared = num_prompt_tokens // self.block_size
         needed = shared + params.n * (self._blocks(length) - shared)
         if needed > self.num_blocks:
-            raise ValueError(f"n={params.n} sequences of up to {length} tokens need {needed} KV blocks, more than "
-                             f"the {self.num_blocks} in the pool; lower n or max_tokens, or raise the KV cache "
-                             f"memory (--kv-cache-memory).")
+            raise ValueError(f"n is too large for the KV cache: {params.n} sequences of up to {length} tokens need "
+                             f"{needed} KV blocks, more than the {self.num_blocks} in the pool; lower n or max_tokens, "
+                             f"or raise the KV cache memory (--kv-cache-memory).")
 
     def _validate_params(self, params: SamplingParams) -> list[list[int]]:
         """Check the token ids params name against the vocabulary, and logprobs against max_logprobs; returns

@@ -1,4 +1,5 @@
-"""The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), `bench throughput`."""
+"""The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), `bench throughput`,
+`bench serve`, `bench soak`, `bench sharing`."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,16 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from pagellm.benchmarks.soak import run
+
+    try:
+        return run(args)
+    except ConnectionError as exc:  # an unreachable server: one line naming the URL, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="Run and serve large language models.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(handler=_bench_serve)
+    soak = bench.add_parser("soak", help="mixed, partly bad or abandoned traffic against a running server, then "
+                                         "check that it drains (no engine flags)")
+    from pagellm.benchmarks.soak import add_cli_args as add_soak_args
+
+    add_soak_args(soak)
+    soak.set_defaults(handler=_bench_soak)
     sharing = bench.add_parser("sharing", help="KV blocks saved by sharing for n > 1 and beam search")
     from pagellm.benchmarks.sharing import add_cli_args as add_sharing_args
 

@@ -14,7 +14,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -22,11 +22,15 @@ from starlette.types import Receive, Scope, Send
 from pagellm import __version__, envs
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
+from pagellm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from pagellm.entrypoints.openai.errors import error_response, register_error_handlers
-from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 ModelCard, ModelList, TokenizeChatRequest,
-                                                 TokenizeCompletionRequest)
+from pagellm.entrypoints.openai.openapi import openapi_without_422, responses
+from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                                 HealthResponse, ModelCard, ModelList, TokenizeChatRequest,
+                                                 TokenizeCompletionRequest, TokenizeResponse)
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import load_chat_template
@@ -45,6 +49,7 @@ class ServerConfig:
     served_model_names: list[str]
     api_key: str | None = None
     chat_template: str | None = None  # a file path or the template itself
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -74,7 +79,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The app owns the engine from here on: its shutdown stops the engine."""
     metrics = PrometheusStatLogger(config.served_model_names[0], engine.get_scheduler_stats)
     engine.add_stat_logger(metrics)
-    serving_args = (engine, config.served_model_names, load_chat_template(config.chat_template))
+    tokenizer = AsyncTokenizer(engine.config.model_config.tokenizer, load_chat_template(config.chat_template))
+    serving_args = (engine, config.served_model_names, tokenizer)
     completion = OpenAIServingCompletion(*serving_args)
     chat = OpenAIServingChat(*serving_args)
     tokenization = OpenAIServingTokenization(*serving_args)
@@ -87,49 +93,60 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         finally:
             log_task.cancel()
             engine.shutdown()
+            tokenizer.shutdown()
 
     app = FastAPI(title="pagellm", version=__version__, lifespan=lifespan)
+    app.openapi = openapi_without_422(app)
     register_error_handlers(app)
+    # Added last = outermost: the key is checked before anything else, the body size before the body is read.
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    # The statuses each kind of route can answer besides 200 (and 500).
+    generation = (HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED, HTTPStatus.NOT_FOUND,
+                  HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.SERVICE_UNAVAILABLE)
+    with_body = (HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED, HTTPStatus.NOT_FOUND,
+                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
 
-    @app.get("/health")
+    @app.get("/health", responses=responses(HTTPStatus.SERVICE_UNAVAILABLE, model=HealthResponse))
     async def health() -> Response:
         if not engine.is_running:
             return error_response("The engine is not running.", HTTPStatus.SERVICE_UNAVAILABLE)
-        return Response(status_code=HTTPStatus.OK.value)
+        return JSONResponse(HealthResponse().model_dump())
 
-    @app.get("/version")
+    @app.get("/version", responses=responses())
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=responses(), response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(HTTPStatus.UNAUTHORIZED, HTTPStatus.BAD_REQUEST))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=engine.config.model_config.model,
                                          max_model_len=completion.max_model_len)
                                for name in config.served_model_names])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=responses(*generation, model=CompletionResponse, streams=True))
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return _respond(await completion.create_completion(request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=responses(*generation, model=ChatCompletionResponse, streams=True))
     @with_cancellation
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return _respond(await chat.create_chat_completion(request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses=responses(*with_body, model=TokenizeResponse))
     async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
-        return _respond(tokenization.tokenize(request))
+        return _respond(await tokenization.tokenize(request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses=responses(*with_body, model=DetokenizeResponse))
     async def detokenize(request: DetokenizeRequest) -> Response:
-        return _respond(tokenization.detokenize(request))
+        return _respond(await tokenization.detokenize(request))
 
     return app
 
@@ -167,7 +184,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         config = ServerConfig(served_model_names=args.served_model_names or [
                                   engine.config.model_config.served_model_name],
-                              api_key=args.api_key or envs.api_key(), chat_template=args.chat_template)
+                              api_key=args.api_key or envs.api_key(), chat_template=args.chat_template,
+                              max_request_body_bytes=args.max_request_body_bytes)
         app = build_app(engine, config)
         server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                         timeout_graceful_shutdown=10), engine)

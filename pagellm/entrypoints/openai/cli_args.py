@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs, parse_size
+from pagellm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -21,6 +22,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="answer 503 with Retry-After when this many requests are already waiting "
                              "(default: unbounded)")
+    parser.add_argument("--max-request-body-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="answer 413 to a request body larger than this, e.g. 16MiB (default: 16MiB)")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -82,8 +82,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if error.get("type") == "json_invalid":
             parts.append(f"Malformed JSON: {error.get('msg')}")
             continue
-        param = param or (location[0] if location else None)
-        parts.append(f"{'.'.join(location) or 'body'}: {error.get('msg')}")
+        # Model-level checks (an unsupported field, say) name their field in the error's context.
+        field = (error.get("ctx") or {}).get("field")
+        param = param or (location[0] if location else field)
+        parts.append(f"{'.'.join(location) or field or 'body'}: {error.get('msg')}")
     return "; ".join(parts) or "Invalid request.", param
 
 

@@ -1,55 +1,127 @@
 """Pydantic models of the OpenAI-compatible API (OpenAI's field names, plus vLLM's sampling extras), and the
-mapping of a request's sampling fields to SamplingParams."""
+mapping of a request's sampling fields to SamplingParams.
+
+Validation at the boundary: floats must be finite (NaN and Infinity are refused), integers carry their ranges
+in the schema (64-bit where they reach torch), message roles are OpenAI's, and fields of OpenAI's or vLLM's API
+that would change the result but are not implemented are refused with a 400 naming them, never ignored. Limits
+that depend on the engine (vocabulary, context length, n against the KV pool) are checked by the engine's input
+processor and SamplingParams."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
-MAX_LOGPROBS = 20
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+_NEUTRAL_VALUES = (None, False, "", [], {})
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as by OpenAI and vLLM; fields that would change the result but are not
-    # implemented are declared and rejected explicitly instead.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as by OpenAI and vLLM; known fields that would change the result but are not
+    # implemented are listed in `unsupported_fields` and refused instead.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """JSON may escape half of a UTF-16 surrogate pair ("\\ud800"), which decodes to a string that is not valid
+    Unicode: no tokenizer or encoder accepts it."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(item) for item in value if not isinstance(item, int))
+    return False
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: its text must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_invalid_text(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if _has_lone_surrogate(value):
+                    raise PydanticCustomError("invalid_text", "{field} holds text that is not valid Unicode (a lone "
+                                              "UTF-16 surrogate such as \\ud800)", {"field": name})
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """The fields completions and chat completions share."""
 
+    # Field -> why it is refused when set to anything but a neutral value (None, false, "", [], {} or one of
+    # `neutral_values`).
+    unsupported_fields: ClassVar[dict[str, str]] = {
+        **{f"guided_{kind}": "structured outputs are not implemented yet (vLLM's replacement is "
+                             "`structured_outputs`, also not implemented here)"
+           for kind in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")},
+        "structured_outputs": "structured outputs are not implemented yet",
+        "response_format": "only {\"type\": \"text\"} is supported (structured outputs are not implemented yet)",
+        "logits_processors": "custom logits processors are not supported",
+        "allowed_token_ids": "allowed_token_ids is not implemented; use logit_bias",
+        "prompt_logprobs": "prompt logprobs are not available over HTTP yet",
+        "use_beam_search": "beam search is offline only (LLM.beam_search)",
+        "length_penalty": "beam search is offline only (LLM.beam_search)",
+        "return_tokens_as_token_ids": "return_tokens_as_token_ids is not implemented",
+        "vllm_xargs": "vllm_xargs (custom logits-processor arguments) is not supported",
+    }
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {"response_format": ({"type": "text"},)}
+
     model: str | None = None
-    n: int = 1
+    n: PositiveInt64 = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int = -1
+    top_k: Int64 = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: NonNegativeInt64 = 0
+    stop_token_ids: list[NonNegativeInt64] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0  # accepted for vLLM compatibility; the scheduler is FCFS and does not use it yet
+    truncate_prompt_tokens: PositiveInt64 | None = None
+    priority: Int64 = 0  # accepted for vLLM compatibility; the scheduler is FCFS and does not use it yet
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, reason in cls.unsupported_fields.items():
+                value = data.get(name)
+                if not any(value == neutral for neutral in _NEUTRAL_VALUES + cls.neutral_values.get(name, ())):
+                    raise PydanticCustomError("unsupported_field", "{field} is not supported: {reason}",
+                                              {"field": name, "reason": reason})
+        return data
 
     @property
     def include_usage(self) -> bool:
@@ -71,21 +143,23 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
+    unsupported_fields: ClassVar[dict[str, str]] = {
+        **SamplingRequest.unsupported_fields,
+        "echo": "echoing the prompt is not implemented",
+        "suffix": "insertion (suffix) is not implemented",
+    }
+
     prompt: list[int] | list[list[int]] | str | list[str]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    max_tokens: PositiveInt64 | None = 16
+    logprobs: NonNegativeInt64 | None = None
+    best_of: PositiveInt64 | None = None
+    add_special_tokens: bool = True  # vLLM's: add the tokenizer's special tokens (BOS) to text prompts
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n)")
+            raise PydanticCustomError("unsupported_field", "{field} is not supported: only best_of == n",
+                                      {"field": "best_of"})
         return self
 
 
@@ -95,7 +169,7 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessageParam(OpenAIBaseModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
@@ -109,23 +183,36 @@ class ChatMessageParam(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    unsupported_fields: ClassVar[dict[str, str]] = {
+        **SamplingRequest.unsupported_fields,
+        **{name: "tool calls are not implemented yet" for name in ("tools", "tool_choice", "functions",
+                                                                  "function_call")},
+        "audio": "audio output is not supported", "modalities": "only text output is supported",
+        "prediction": "predicted outputs are not implemented",
+        "web_search_options": "web search is not supported",
+        "reasoning_effort": "reasoning_effort is not implemented",
+        "chat_template": "per-request chat templates are not accepted; start the server with --chat-template",
+        "chat_template_kwargs": "chat_template_kwargs is not implemented",
+        "continue_final_message": "continue_final_message is not implemented",
+        "documents": "documents are not implemented",
+        "echo": "echoing the last message is not implemented",
+    }
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingRequest.neutral_values, "tool_choice": ("none",), "modalities": (["text"],)}
+
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveInt64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NonNegativeInt64 | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: the template already holds the special tokens it wants
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than 'text' is not supported")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise PydanticCustomError("invalid_field", "{field} requires logprobs to be true",
+                                      {"field": "top_logprobs"})
         return self
 
 
@@ -232,14 +319,14 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessageParam] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -254,13 +341,17 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok"] = "ok"
 
 
 class ErrorInfo(OpenAIBaseModel):

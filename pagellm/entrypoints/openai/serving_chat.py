@@ -40,7 +40,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = request.to_sampling_params(max_tokens, num_logprobs)
-        prompt = self.chat_prompt(request.messages, request.add_generation_prompt)
+        prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.add_special_tokens,
+                                        truncating=params.truncate_prompt_tokens is not None)
         self.check_length(prompt, params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first, rest = await self.start([prompt], params, request_id)

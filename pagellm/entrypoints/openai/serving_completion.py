@@ -39,7 +39,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         model = self.model_name(request.model)
         params = request.to_sampling_params(request.max_tokens, request.logprobs)
-        prompts = self._prompts(request.prompt)
+        batch = self._batch(request.prompt)
+        self.check_batch_size(len(batch), params)
+        prompts = [await self._prompt(p, request.add_special_tokens, params.truncate_prompt_tokens is not None)
+                   for p in batch]
         for prompt in prompts:
             self.check_length(prompt, params, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -48,15 +51,19 @@ class OpenAIServingCompletion(OpenAIServing):
             return self._stream(request, request_id, model, first, rest)
         return await self._full(request, request_id, model, chain_first(first, rest))
 
-    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[TokensPrompt]:
+    @staticmethod
+    def _batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+        """The request's prompts: one text or token-id list, or a batch of either."""
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    async def _prompt(self, prompt: str | list[int], add_special_tokens: bool, truncating: bool) -> TokensPrompt:
         if isinstance(prompt, str):
-            return [self.text_prompt(prompt)]
+            return await self.text_prompt(prompt, add_special_tokens, truncating=truncating)
         if not prompt:
             raise OpenAIServingError("prompt must not be empty.", param="prompt")
-        if isinstance(prompt[0], int):
-            return [{"prompt": None, "prompt_token_ids": list(prompt)}]
-        return [self.text_prompt(p) if isinstance(p, str) else {"prompt": None, "prompt_token_ids": list(p)}
-                for p in prompt]
+        return {"prompt": None, "prompt_token_ids": list(prompt)}
 
     def _choice(self, request: CompletionRequest, index: int, completion: CompletionOutput,
                 text_offset: int) -> CompletionResponseChoice:

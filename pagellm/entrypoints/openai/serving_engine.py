@@ -1,6 +1,6 @@
-"""What every OpenAI endpoint shares: the served model names, tokenization and the chat template on the event
-loop, length checks against max_model_len, starting a batch of generations, and folding delta outputs into
-whole completions."""
+"""What every OpenAI endpoint shares: the served model names, tokenization and the chat template (off the event
+loop, see AsyncTokenizer), length checks against max_model_len, starting a batch of generations, and folding delta
+outputs into whole completions."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from pagellm.entrypoints.openai.errors import OpenAIServingError
 from pagellm.entrypoints.openai.protocol import ChatMessageParam, UsageInfo
 from pagellm.entrypoints.utils import merge_async_iterators
@@ -29,11 +30,10 @@ def load_chat_template(chat_template: str | None) -> str | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], tokenizer: AsyncTokenizer) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
-        self.chat_template = chat_template
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = tokenizer
         self.max_model_len = engine.config.scheduler_config.max_model_len
 
     def model_name(self, requested: str | None) -> str:
@@ -44,36 +44,53 @@ class OpenAIServing:
             raise OpenAIServingError(f"The model `{requested}` does not exist.", HTTPStatus.NOT_FOUND, "model")
         return requested
 
-    def text_prompt(self, text: str, add_special_tokens: bool = True) -> TokensPrompt:
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=add_special_tokens)}
+    def _too_long(self, num_tokens: int, param: str, at_least: bool = False) -> OpenAIServingError:
+        count = f"at least {num_tokens}" if at_least else str(num_tokens)
+        return OpenAIServingError(f"The prompt is {count} tokens long, more than this model's maximum context "
+                                  f"length of {self.max_model_len} tokens (--max-model-len).", param=param)
 
-    def chat_prompt(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
-                    add_special_tokens: bool = False) -> TokensPrompt:
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+    async def text_prompt(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
+                          truncating: bool = False) -> TokensPrompt:
+        """Tokenize `text`. Unless the request truncates its prompt, a text too long to fit max_model_len
+        whatever its tokens is refused before it is tokenized."""
+        if not truncating and self.tokenizer.min_num_tokens(text) > self.max_model_len:
+            raise self._too_long(self.tokenizer.min_num_tokens(text), param, at_least=True)
+        return {"prompt": text, "prompt_token_ids": await self.tokenizer.encode(text, add_special_tokens)}
+
+    async def chat_prompt(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
+                          add_special_tokens: bool = False, truncating: bool = False) -> TokensPrompt:
+        if not self.tokenizer.has_chat_template:
             raise OpenAIServingError("This model's tokenizer has no chat template; start the server with "
                                      "--chat-template, or use /v1/completions.")
         try:
-            text = self.tokenizer.apply_chat_template([m.to_template_message() for m in messages],
-                                                      chat_template=self.chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            text = await self.tokenizer.render_chat([m.to_template_message() for m in messages],
+                                                    add_generation_prompt)
         except TemplateError as exc:
             raise OpenAIServingError(f"The chat template could not render these messages: {exc}",
                                      param="messages") from exc
         # The template already holds any BOS; by default no special tokens are added, which would double it.
-        return self.text_prompt(text, add_special_tokens)
+        return await self.text_prompt(text, add_special_tokens, "messages", truncating)
 
     def check_length(self, prompt: TokensPrompt, params: SamplingParams, param: str) -> None:
         num_tokens = len(prompt["prompt_token_ids"])
         if params.truncate_prompt_tokens is not None:
             num_tokens = min(num_tokens, params.truncate_prompt_tokens)
         if num_tokens > self.max_model_len:
-            raise OpenAIServingError(f"The prompt is {num_tokens} tokens long, more than this model's maximum "
-                                     f"context length of {self.max_model_len} tokens (--max-model-len).", param=param)
+            raise self._too_long(num_tokens, param)
         if params.max_tokens is not None and num_tokens + params.max_tokens > self.max_model_len:
             raise OpenAIServingError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_tokens + params.max_tokens} tokens ({num_tokens} in the prompt, {params.max_tokens} for the "
                 f"completion). Shorten the prompt or lower max_tokens.", param="max_tokens")
+
+    def check_batch_size(self, num_prompts: int, params: SamplingParams) -> None:
+        """A batch the server could never hold at once is refused outright: a 503 would invite useless retries."""
+        limit = self.engine.max_requests_at_once(params.n)
+        if limit is not None and num_prompts > limit:
+            raise OpenAIServingError(
+                f"This request has {num_prompts} prompts, but with n={params.n} the server holds at most {limit} "
+                f"requests at once (--max-num-seqs and --max-waiting-requests); send fewer prompts per request.",
+                param="prompt")
 
     async def start(self, prompts: list[TokensPrompt], params: SamplingParams,
                     request_id: str) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:

@@ -1,104 +1,17 @@
-"""Live `pagellm serve` subprocesses on 127.0.0.1 (a free port each) over a tiny random-weight Llama, and helpers
-to read their /metrics."""
+"""The servers the OpenAI API tests run against (live `pagellm serve` subprocesses over a tiny random-weight Llama,
+started with the root conftest's `start_server`), an OpenAI client and the tokenizer."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
+import re
+import resource
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
-MODEL_NAME = "tiny"
-OTHER_MODEL_NAME = "tiny-alias"
-MAX_MODEL_LEN = 256
-SERVER_START_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RemoteServer:
-    """`python -m pagellm.entrypoints.cli serve MODEL ...` in a subprocess, ready once /health answers 200."""
-
-    model_name = MODEL_NAME
-    alias = OTHER_MODEL_NAME
-    api_key = API_KEY
-
-    def __init__(self, model_dir: Path, extra_args: list[str], log_path: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        args = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-                "--port", str(self.port), "--served-model-name", MODEL_NAME, OTHER_MODEL_NAME,
-                "--max-model-len", str(MAX_MODEL_LEN),
-                "--kv-cache-memory", "4MiB", "--uvicorn-log-level", "warning", *extra_args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PAGELLM_API_KEY="")
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-        self._wait_until_ready()
-
-    def _wait_until_ready(self) -> None:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"the server did not start in {SERVER_START_TIMEOUT_S} s:\n{self.log()}")
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        """/metrics as {(sample name, sorted labels other than model_name): value}."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))):
-                sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
-
-    def wait_until_idle(self, timeout_s: float = 15.0) -> dict[tuple[str, tuple], float]:
-        """Poll /metrics until no request runs or waits and no KV block is held; returns the last reading."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            metrics = self.metrics()
-            idle = (metrics[("pagellm:num_requests_running", ())] == 0
-                    and metrics[("pagellm:num_requests_waiting", ())] == 0
-                    and metrics[("pagellm:kv_cache_usage_perc", ())] == 0)
-            if idle or time.monotonic() > deadline:
-                return metrics
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def start_server(model_dir: Path, tmp_path_factory, *extra_args: str):
-    server = RemoteServer(model_dir, list(extra_args), tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        yield server
-    finally:
-        server.stop()
+FUZZ_MAX_MODEL_LEN = 48
+FUZZ_SERVER_HEADROOM_BYTES = 4 << 30
 
 
 @pytest.fixture(scope="session")
@@ -107,15 +20,41 @@ def model_dir(tiny_model_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(model_dir, tmp_path_factory):
+def server(model_dir, start_server):
     """The shared server: API key required, 64 sequences per step."""
-    yield from start_server(model_dir, tmp_path_factory, "--api-key", API_KEY, "--max-num-seqs", "64")
+    yield from start_server(model_dir, "--api-key", API_KEY, "--max-num-seqs", "64")
 
 
 @pytest.fixture(scope="module")
-def limited_server(model_dir, tmp_path_factory):
+def limited_server(model_dir, start_server):
     """One sequence per step and room for one waiting request; no API key."""
-    yield from start_server(model_dir, tmp_path_factory, "--max-waiting-requests", "1", "--max-num-seqs", "1")
+    yield from start_server(model_dir, "--max-waiting-requests", "1", "--max-num-seqs", "1")
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(model_dir, start_server):
+    """A server of its own for each fuzz module (so that a crash they provoke cannot fail other modules): the API
+    key, 16 sequences per step, and a context of 48 tokens (argparse keeps the last --max-model-len), so that any
+    generation a fuzzed request asks for is short: SmolLM2's chat template alone is 30 tokens, which leaves 18.
+
+    Its address space is capped a few GiB above its size once started: a request for a huge `n` makes an engine
+    without bounds allocate per sample (n=100000 asked for 19.6 GB, n=2**31-1 grew a Python list until memory ran
+    out), and on a shared test machine that must fail inside the server rather than exhaust the machine's memory."""
+    for server in start_server(model_dir, "--api-key", API_KEY, "--max-model-len", str(FUZZ_MAX_MODEL_LEN),
+                               "--max-num-seqs", "16"):
+        _cap_address_space(server.process.pid, FUZZ_SERVER_HEADROOM_BYTES)
+        yield server
+
+
+def _cap_address_space(pid: int, headroom_bytes: int) -> None:
+    """Set process `pid`'s RLIMIT_AS to its current virtual size plus `headroom_bytes` (allocations beyond fail)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    vm_size = int(re.search(r"^VmSize:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
+    _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+    limit = vm_size + headroom_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.prlimit(pid, resource.RLIMIT_AS, (limit, hard))
 
 
 @pytest.fixture(scope="session")
@@ -128,3 +67,10 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def guarded_server(model_dir, start_server):
+    """API key, a 64 KiB body limit, 64 sequences per step and at most 4 requests waiting for capacity."""
+    yield from start_server(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", "64KiB",
+                            "--max-num-seqs", "64", "--max-waiting-requests", "4")

@@ -1,7 +1,11 @@
-"""The app in-process (FastAPI's TestClient) over a tiny engine: --chat-template as a file or inline Jinja, and
-an engine whose step fails (the request in flight gets a 503 error body without the trace, /health turns 503,
-later requests are refused rather than left hanging)."""
+"""The app in-process (FastAPI's TestClient) over a tiny engine: --chat-template as a file or inline Jinja (and
+sandboxed), a request that fails inside the engine (it alone gets a 500 while concurrent streams finish), and an
+engine that dies (the request in flight gets a 503 error body without the trace, /health turns 503, later requests
+are refused rather than left hanging)."""
 from __future__ import annotations
+
+import json
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -57,3 +61,65 @@ def test_engine_failure_turns_health_503(engine, monkeypatch):
         refused = client.post("/v1/chat/completions", json={"messages": MESSAGES})
         assert refused.status_code == 503
         assert client.get("/metrics").status_code == 200  # still scrapeable
+
+
+def test_a_sandboxed_chat_template_cannot_reach_python_internals(engine, tmp_path):
+    hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with app_client(engine, chat_template=hostile) as client:
+        refused = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "messages" and "unsafe" in error["message"] and "subclasses" not in error["message"]
+        assert client.post("/v1/completions", json=BODY).status_code == 200
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(engine, monkeypatch):
+    """A request whose sampling raises inside the step: its non-streaming call gets a 500 (OpenAI error body, no
+    details), its stream ends with an error event; concurrent streams finish with the text they get without the
+    fault, the engine keeps serving and no block is held afterwards."""
+    marker = [4, 4, 4, 4]  # prompt token ids that make sampling fail
+    runner = engine.engine_core.executor.worker.model_runner
+    sample_rows = runner._sample_rows
+
+    def faulty(logits, requests, rows):
+        if any(requests[row].prompt_token_ids == marker for row in rows):
+            raise RuntimeError("injected fault")
+        return sample_rows(logits, requests, rows)
+
+    good = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with app_client(engine) as client:
+        expected = client.post("/v1/completions", json=good).json()["choices"][0]["text"]
+        monkeypatch.setattr(runner, "_sample_rows", faulty)
+        results: dict[str, object] = {}
+
+        def stream(name: str, body: dict) -> None:
+            with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as response:
+                results[name] = (response.status_code, list(response.iter_lines()))
+
+        def full(name: str, body: dict) -> None:
+            response = client.post("/v1/completions", json=body)
+            results[name] = (response.status_code, response.json())
+
+        bad = dict(good, prompt=marker)
+        threads = [threading.Thread(target=stream, args=(f"good-{i}", good)) for i in range(3)]
+        threads += [threading.Thread(target=stream, args=("bad-stream", bad)),
+                    threading.Thread(target=full, args=("bad-full", bad))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for i in range(3):
+            status, lines = results[f"good-{i}"]
+            chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+        status, body = results["bad-full"]
+        assert status == 500 and body["error"]["code"] == 500 and "injected" not in body["error"]["message"]
+        status, lines = results["bad-stream"]
+        # The first output fails, before the response starts: the stream's request is a 500 too.
+        assert status == 500 or any('"code": 500' in line for line in lines)
+        assert client.get("/health").status_code == 200
+        monkeypatch.undo()
+        assert client.post("/v1/completions", json=good).json()["choices"][0]["text"] == expected
+        metrics = client.get("/metrics").text
+        assert 'pagellm:request_success_total{finished_reason="error",model_name="tiny"} 2.0' in metrics
+    assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -2,6 +2,8 @@
 the server goes on serving a good request after it. Also auth, and the small endpoints' shapes."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -44,19 +46,45 @@ def assert_still_serving(http) -> None:
     ("/v1/completions", dict(GOOD, prompt=None), "prompt"),
     ("/v1/completions", dict(GOOD, prompt=[]), "prompt"),
     ("/v1/completions", dict(GOOD, prompt=[-5, 3]), None),
-    ("/v1/completions", dict(GOOD, echo=True), None),
+    ("/v1/completions", dict(GOOD, echo=True), "echo"),
     ("/v1/completions", dict(GOOD, prompt="hi " * 300), "prompt"),
     ("/v1/completions", dict(GOOD, max_tokens=250, prompt="hi " * 10), "max_tokens"),
     ("/v1/completions", {"prompt": "Hello", "stream": "yes please"}, "stream"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hello"}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}, "messages"),
     ("/tokenize", {"model": "tiny"}, "prompt"),
-    ("/detokenize", {"tokens": [10**9]}, None),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    # Values that once reached the engine thread and stopped it for everyone (int64 overflows, ids outside the
+    # vocabulary), and non-finite floats that were silently accepted.
+    ("/v1/completions", dict(GOOD, seed=2**64), "seed"),
+    ("/v1/completions", dict(GOOD, seed=2**70), "seed"),
+    ("/v1/completions", dict(GOOD, seed=2**63 - 1, n=2), "seed"),
+    ("/v1/completions", dict(GOOD, top_k=2**63), "top_k"),
+    ("/v1/completions", dict(GOOD, stop_token_ids=[10**9], min_tokens=1), "stop_token_ids"),
+    ("/v1/completions", dict(GOOD, stop_token_ids=[2**64], min_tokens=1), "stop_token_ids"),
+    ("/v1/completions", dict(GOOD, priority=2**63), "priority"),
+    ("/v1/completions", dict(GOOD, max_tokens=2**64), "max_tokens"),
+    ("/v1/completions", dict(GOOD, temperature=float("nan")), "temperature"),
+    ("/v1/completions", dict(GOOD, temperature=float("inf")), "temperature"),
+    ("/v1/completions", dict(GOOD, repetition_penalty=float("inf")), "repetition_penalty"),
+    ("/v1/completions", dict(GOOD, logit_bias={"5": float("nan")}), "logit_bias"),
+    ("/v1/completions", dict(GOOD, n=65), "n"),  # more than --max-num-seqs 64
+    ("/v1/completions", dict(GOOD, logprobs=21), "logprobs"),  # more than --max-logprobs 20
+    # Options that would change the result but are not implemented: refused, never ignored.
+    ("/v1/completions", dict(GOOD, guided_json={"type": "object"}), "guided_json"),
+    ("/v1/completions", dict(GOOD, response_format={"type": "json_object"}), "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a+"},
+     "guided_regex"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ])
 def test_bad_parameters_are_400(http, path, body, param):
-    assert_error(http.post(path, json=body), 400, param)
+    # Python's json writes NaN and Infinity as JSON's popular extension does; httpx's json= would refuse them.
+    response = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert_error(response, 400, param)
     assert_still_serving(http)
 
 

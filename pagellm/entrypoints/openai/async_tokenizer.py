@@ -1,0 +1,84 @@
+"""Tokenization, detokenization and chat templates for the server, off the event loop: a small thread pool whose
+threads each load a tokenizer of their own (a Hugging Face tokenizer must not be used from two threads at once).
+A huge prompt then never stalls the event loop, which keeps answering /health and streaming tokens.
+
+It also bounds the work before it starts: no token covers more characters than the longest string in the
+vocabulary, so a text longer than that many characters per token is known to be too long without tokenizing it.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from pagellm.transformers_utils.tokenizer import get_tokenizer
+
+T = TypeVar("T")
+
+NUM_THREADS = 2
+# Vocabulary strings are at least as long as the text their tokens stand for (byte-level BPE: one character per
+# byte); the factor leaves room for normalizers that shorten text (NFKC, combining characters).
+_NORMALIZER_SLACK = 2
+
+
+class AsyncTokenizer:
+    def __init__(self, tokenizer_name: str, chat_template: str | None = None) -> None:
+        self._tokenizer_name = tokenizer_name
+        self.chat_template = chat_template
+        self._local = threading.local()
+        self._executor = ThreadPoolExecutor(NUM_THREADS, thread_name_prefix="pagellm-tokenizer")
+        tokenizer = get_tokenizer(tokenizer_name)  # loaded here too, so a broken tokenizer fails at start-up
+        self.has_chat_template = chat_template is not None or bool(getattr(tokenizer, "chat_template", None))
+        self.max_chars_per_token = _NORMALIZER_SLACK * max(map(len, tokenizer.get_vocab()))
+
+    def _tokenizer(self):
+        if not hasattr(self._local, "tokenizer"):
+            self._local.tokenizer = get_tokenizer(self._tokenizer_name)
+        return self._local.tokenizer
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens `text` encodes to, without encoding it."""
+        return -(-len(text) // self.max_chars_per_token)
+
+    async def _run(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        def call() -> T:
+            return method(self._tokenizer(), *args, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self._run(_encode, text, add_special_tokens)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run(_decode, token_ids)
+
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return await self._run(_convert_ids_to_tokens, token_ids)
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The chat template (the server's --chat-template, else the tokenizer's) applied to `messages`, as text.
+        transformers renders it in a sandboxed Jinja environment; template errors raise jinja2's TemplateError."""
+        return await self._run(_render_chat, messages, self.chat_template, add_generation_prompt)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _decode(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids)
+
+
+def _convert_ids_to_tokens(tokenizer, token_ids: list[int]) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(token_ids)
+
+
+def _render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None,
+                 add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
