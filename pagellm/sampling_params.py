@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagellm.exceptions import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
 # Integers reach torch as int64 (seeds, top_k, token ids); larger ones are refused here, not overflowed there.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -11,7 +13,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 def _check_int(name: str, value: object, low: int, high: int, what: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be {what or 'an integer'} in [{low}, {high}], got {value!r}.")
+        raise InvalidRequestError(f"{name} must be {what or 'an integer'} in [{low}, {high}], got {value!r}.")
 
 
 @dataclass
@@ -81,9 +83,9 @@ class SamplingParams:
             try:
                 self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError, OverflowError):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
+                raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
             if not all(math.isfinite(b) for b in self.logit_bias.values()):
-                raise ValueError("logit_bias values must be finite numbers (no NaN or Infinity).")
+                raise InvalidRequestError("logit_bias values must be finite numbers (no NaN or Infinity).")
             self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
@@ -94,12 +96,12 @@ class SamplingParams:
                      "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}.")
         _check_int("n", self.n, 1, INT64_MAX)
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise InvalidRequestError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}.")
         _check_int("top_k", self.top_k, -1, INT64_MAX, "-1 (disable), or at least 1")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, INT64_MAX)
@@ -107,30 +109,30 @@ class SamplingParams:
             _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
             # Sequence i of an n > 1 request draws from seed + i.
             if self.seed + self.n - 1 > INT64_MAX:
-                raise ValueError(f"seed must be at most {INT64_MAX - self.n + 1} with n={self.n} (sequence i "
+                raise InvalidRequestError(f"seed must be at most {INT64_MAX - self.n + 1} with n={self.n} (sequence i "
                                  f"uses seed + i, a 64-bit integer), got {self.seed}.")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, 0, INT64_MAX, "token ids (non-negative integers)")
         if any(not isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if any(s == "" for s in self.stop):
-            raise ValueError("stop cannot contain an empty string.")
+            raise InvalidRequestError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings are only supported when detokenize is True; set detokenize=True "
+            raise InvalidRequestError("stop strings are only supported when detokenize is True; set detokenize=True "
                              "or use stop_token_ids.")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+            raise InvalidRequestError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}.")
         _check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+            raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
         if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
-            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+            raise InvalidRequestError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, INT64_MAX)
@@ -160,6 +162,9 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}.")
+            raise InvalidRequestError(f"beam_width must be a positive integer, got {self.beam_width!r}.")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or not math.isfinite(self.length_penalty):
+            raise InvalidRequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}.")

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 from pagellm.benchmarks.serve import _listed_model, load_tokenizer, random_prompts
-from pagellm.benchmarks.soak_report import Outcome, SoakReport, drain, fetch_state, health_status, summarize
+from pagellm.benchmarks.soak_report import (Outcome, ServerState, SoakReport, drain, fetch_state, health_status,
+                                            summarize)
 
 PROMPT_POOL_SIZE = 32
 LENGTH_SLACK_TOKENS = 8  # re-tokenizing a decoded prompt on the server can merge or split a few tokens
@@ -33,7 +34,6 @@ TOKENIZE_FRACTION = 0.05
 N_CHOICES = (1, 1, 1, 1, 2, 3)  # mostly single sequences, sometimes forks sharing the prompt's blocks
 MAX_ABANDON_CHUNKS = 8
 ABANDON_DELAY_RANGE_S = (0.02, 0.3)  # long enough for the request to reach the server
-REQUEST_TIMEOUT_S = 120.0
 
 BadRequestMaker = Callable[[str, int], tuple[str, dict | bytes]]  # (model, max_model_len) -> (path, body)
 
@@ -192,11 +192,11 @@ async def send(client: httpx.AsyncClient, target: Target, plan: PlannedRequest) 
 
 
 async def run_soak(target: Target, plans: Callable[[int], PlannedRequest], concurrency: int, duration_s: float,
-                   drain_timeout_s: float) -> SoakReport:
-    """Traffic from `concurrency` clients for `duration_s` (requests in flight at the end are finished), then the
-    drain and the final /health."""
+                   drain_timeout_s: float, request_timeout_s: float) -> SoakReport:
+    """Traffic from `concurrency` clients for `duration_s` (requests in flight at the end are finished), the
+    server's state read halfway, then the drain and the final /health."""
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=10.0), limits=limits) as client:
         start_state = await fetch_state(client, target.base_url)
         outcomes: list[Outcome] = []
         indices = itertools.count()
@@ -206,11 +206,15 @@ async def run_soak(target: Target, plans: Callable[[int], PlannedRequest], concu
             while time.monotonic() - start < duration_s:
                 outcomes.append(await send(client, target, plans(next(indices))))
 
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+        async def halfway() -> ServerState:
+            await asyncio.sleep(duration_s / 2)
+            return await fetch_state(client, target.base_url)
+
+        halfway_state, *_ = await asyncio.gather(halfway(), *(one_client() for _ in range(concurrency)))
         duration = time.monotonic() - start
         end_state = await drain(client, target.base_url, drain_timeout_s)
         health = await health_status(client, target.base_url)
-    return summarize(outcomes, duration, start_state, end_state, health)
+    return summarize(outcomes, duration, start_state, end_state, health, halfway=halfway_state)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -226,13 +230,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bad-fraction", type=float, default=0.05, help="invalid requests that must get a 4xx")
     parser.add_argument("--max-output-len", type=int, default=256, help="upper bound of a request's max_tokens")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for an idle server")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds a request may take before it counts as a failure (raise it for a slow "
+                             "server under heavy load)")
     parser.add_argument("--seed", type=int, default=0, help="chooses request kinds, lengths and disconnects")
     parser.add_argument("--json", "--output-json", dest="json_path", default=None, metavar="PATH",
                         help="also write the report as JSON")
 
 
 def _validate(args: argparse.Namespace) -> None:
-    checks = [(args.duration > 0 and args.drain_timeout > 0, "--duration and --drain-timeout must be > 0"),
+    checks = [(args.duration > 0 and args.drain_timeout > 0 and args.request_timeout > 0,
+               "--duration, --drain-timeout and --request-timeout must be > 0"),
               (args.concurrency >= 1, "--concurrency must be >= 1"),
               (args.max_output_len >= 1, "--max-output-len must be >= 1"),
               (0 <= args.bad_fraction and 0 <= args.disconnect_fraction
@@ -284,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"soaking {target.base_url} (model {target.model}, max_model_len {target.max_model_len}) for "
           f"{args.duration:g} s with {args.concurrency} clients, seed {args.seed}")
     report = asyncio.run(run_soak(target, lambda i: plan_request(args.seed, i, prompt_lens, token_budget, mix),
-                                  args.concurrency, args.duration, args.drain_timeout))
+                                  args.concurrency, args.duration, args.drain_timeout, args.request_timeout))
     print(report.format())
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({**asdict(report), "problems": report.problems()}, indent=2))

@@ -1,6 +1,10 @@
 """What `pagellm bench soak` records and reports: each request's outcome, the server's state read from /metrics
 (requests running and waiting, KV blocks in use, RSS), the drain after the traffic, and the report with the
-checks the server must pass."""
+checks the server must pass.
+
+RSS is read at the start, halfway and at the end. The KV pool is mapped at start-up but becomes resident only as
+its blocks are first used, so RSS grows early in a run by up to the pool's size; growth after the whole pool has
+been used would be a leak."""
 from __future__ import annotations
 
 import asyncio
@@ -104,6 +108,7 @@ class SoakReport:
     rss_start_mib: float
     rss_end_mib: float | None
     health_status: int | None
+    rss_halfway_mib: float | None = None
 
     def problems(self) -> list[str]:
         """Why the server failed the soak; empty when it passed."""
@@ -123,7 +128,8 @@ class SoakReport:
         return 1 if self.problems() else 0
 
     def format(self) -> str:
-        rss_end = "-" if self.rss_end_mib is None else f"{self.rss_end_mib:.1f}"
+        rss = " / ".join("-" if value is None else f"{value:.1f}"
+                         for value in (self.rss_start_mib, self.rss_halfway_mib, self.rss_end_mib))
         rows = [("Duration (s):", f"{self.duration_s:.1f}"), ("Requests sent:", self.requests_sent),
                 ("Served (200, read to the end):", self.served), ("Abandoned by the client:", self.abandoned),
                 ("Bad requests sent:", self.bad_sent),
@@ -132,10 +138,10 @@ class SoakReport:
                 ("Unexpected outcomes:", self.unexpected),
                 ("KV blocks in use after drain:", self.kv_blocks_used_after_drain),
                 ("Running / waiting after drain:", f"{self.running_after_drain} / {self.waiting_after_drain}"),
-                ("Server RSS start / end (MiB):", f"{self.rss_start_mib:.1f} / {rss_end}"),
+                ("Server RSS start / halfway / end (MiB):", rss),
                 ("/health at the end:", self.health_status)]
         lines = ["{s:{c}^60}".format(s=" Soak Test Result ", c="=")]
-        lines += [f"{label:<34} {value}" for label, value in rows]
+        lines += [f"{label:<40} {value}" for label, value in rows]
         lines += [f"  unexpected: {json.dumps(sample)}" for sample in self.unexpected_samples]
         problems = self.problems()
         lines.append("=" * 60)
@@ -144,7 +150,7 @@ class SoakReport:
 
 
 def summarize(outcomes: Sequence[Outcome], duration_s: float, start: ServerState, end: ServerState | None,
-              health_status: int | None) -> SoakReport:
+              health_status: int | None, halfway: ServerState | None = None) -> SoakReport:
     bad = [o for o in outcomes if o.expected_status != 200]
     unexpected = [o for o in outcomes if o.unexpected]
     statuses = Counter(str(o.status) for o in outcomes if o.status is not None and o.status >= 400)
@@ -160,6 +166,6 @@ def summarize(outcomes: Sequence[Outcome], duration_s: float, start: ServerState
         running_after_drain=None if end is None else int(end.running),
         waiting_after_drain=None if end is None else int(end.waiting),
         rss_start_mib=start.rss_bytes / MIB, rss_end_mib=None if end is None else end.rss_bytes / MIB,
-        health_status=health_status)
+        health_status=health_status, rss_halfway_mib=None if halfway is None else halfway.rss_bytes / MIB)
 
 

@@ -29,10 +29,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free_ids)
 
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def allocate(self, num: int) -> list[KVCacheBlock]:
         if num > len(self._free_ids):
             raise RuntimeError(f"Asked for {num} KV blocks but only {len(self._free_ids)} are free.")

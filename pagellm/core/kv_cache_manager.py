@@ -25,10 +25,6 @@ class KVCacheManager:
         return self.block_pool.num_blocks
 
     @property
-    def usage(self) -> float:
-        return self.block_pool.usage
-
-    @property
     def num_logical_blocks(self) -> int:
         """Blocks the live block tables would hold if nothing were shared."""
         return sum(len(blocks) for blocks in self.req_to_blocks.values())

@@ -23,6 +23,7 @@ from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.engine.request import Request, RequestStatus
+from pagellm.exceptions import InvalidRequestError
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
 
@@ -45,7 +46,7 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
         if request.group_id in self.groups or request.request_id in self.requests:
-            raise ValueError(f"Request id {request.group_id!r} is already in use; give each request a unique id.")
+            raise InvalidRequestError(f"Request id {request.group_id!r} is already in use; give each request a unique id.")
         if beam_group is not None:
             request.beam_group = beam_group
             beam_group.beams = [request]
@@ -63,13 +64,16 @@ class Scheduler:
         return self.finish_requests(request_ids, status)
 
     def fail_requests(self, errors: dict[str, str]) -> None:
-        """Sequence id -> why it failed: finish each one's whole group with FINISHED_ERROR (siblings too: the user
-        asked for them together) and keep the reason for `take_failed_groups`."""
-        for request_id, error in errors.items():
-            request = self.requests.get(request_id)
-            if request is not None:
-                self._failed_groups.setdefault(request.group_id, error)
-                self.abort_requests([request.group_id], RequestStatus.FINISHED_ERROR)
+        """Sequence id -> why it failed: fail the groups of those still live (see `_fail_groups`)."""
+        self._fail_groups({self.requests[rid].group_id: error for rid, error in errors.items()
+                           if rid in self.requests})
+
+    def _fail_groups(self, errors: dict[str, str]) -> None:
+        """Group id -> why it failed: finish every sequence of each group with FINISHED_ERROR (siblings too: the
+        user asked for them together) and keep the reason for `take_failed_groups`."""
+        for group_id, error in errors.items():
+            self._failed_groups.setdefault(group_id, error)
+            self.abort_requests([group_id], RequestStatus.FINISHED_ERROR)
 
     def take_failed_groups(self) -> dict[str, str]:
         failed, self._failed_groups = self._failed_groups, {}
@@ -110,14 +114,23 @@ class Scheduler:
         """Waiting requests that could not start now even with an unlimited token budget: counting from the head
         of the queue, those beyond the free sequence slots (n each) or the free KV blocks (their tokens so far).
         A burst that fits is not a backlog."""
-        free_seqs = self.config.max_num_seqs - len(self.running)
-        free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
-        for position, request in enumerate(self.waiting):
-            free_seqs -= self._num_sequences(request)
-            free_blocks -= self.kv_cache_manager.num_blocks_for_tokens(request.num_tokens)
+        demands = [(self._num_sequences(r), r.num_tokens) for r in self.waiting]
+        free_seqs = self.config.max_num_seqs - self._num_slots_in_use()
+        return len(demands) - self.num_fitting(demands, free_seqs, self.kv_cache_manager.block_pool.num_free_blocks)
+
+    def num_fitting(self, demands: list[tuple[int, int]], free_seqs: int | None = None,
+                    free_blocks: int | None = None) -> int:
+        """How many of these (sequence slots, tokens) demands, taken in order, fit the free slots and KV blocks
+        (by default: all of them, as in an idle engine). Reads only constants when defaulted, so any thread may
+        ask."""
+        free_seqs = self.config.max_num_seqs if free_seqs is None else free_seqs
+        free_blocks = self.kv_cache_manager.num_blocks if free_blocks is None else free_blocks
+        for position, (num_seqs, num_tokens) in enumerate(demands):
+            free_seqs -= num_seqs
+            free_blocks -= self.kv_cache_manager.num_blocks_for_tokens(num_tokens)
             if free_seqs < 0 or free_blocks < 0:
-                return len(self.waiting) - position
-        return 0
+                return position
+        return len(demands)
 
     def stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool
@@ -159,9 +172,10 @@ class Scheduler:
         return output
 
     def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        slots_in_use = self._num_slots_in_use()
         while self.waiting and token_budget > 0:
             request = self.waiting[0]
-            if len(self.running) + self._num_sequences(request) > self.config.max_num_seqs:
+            if slots_in_use + self._num_sequences(request) > self.config.max_num_seqs:
                 break
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > token_budget and not self.config.enable_chunked_prefill:
@@ -174,15 +188,20 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
+            slots_in_use += self._num_sequences(request)
             output.scheduled.append(self._schedule(request, num_new))
             token_budget -= num_new
 
     @staticmethod
     def _num_sequences(request: Request) -> int:
-        """Sequence slots a waiting request will take: n for one that forks at its first sample (admission
-        reserves them, so forks never take the running count over max_num_seqs), else one."""
+        """Sequence slots a request takes: n for one that will fork at its first sample (the slots of its future
+        sequences are held from admission on, prefill chunks included, so forks never take the running count over
+        max_num_seqs), else one."""
         forks = request.num_output_tokens == 0 and request.beam_group is None
         return request.sampling_params.n if forks else 1
+
+    def _num_slots_in_use(self) -> int:
+        return sum(self._num_sequences(r) for r in self.running)
 
     def _make_room_for_waiting(self, output: SchedulerOutput) -> None:
         """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not
@@ -192,7 +211,7 @@ class Scheduler:
         need = self.kv_cache_manager.num_blocks_for_tokens(head.num_tokens)
         for victim in reversed(list(self.running)):
             if (self.kv_cache_manager.block_pool.num_free_blocks >= need
-                    and len(self.running) < self.config.max_num_seqs):
+                    and self._num_slots_in_use() + self._num_sequences(head) <= self.config.max_num_seqs):
                 break
             if victim.group_id == head.group_id:
                 continue
@@ -204,8 +223,6 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         needs_sample = end == request.num_tokens
-        # n > 1: the first sample is drawn n times from the same logits, then the request forks.
-        forks = needs_sample and request.num_output_tokens == 0 and request.beam_group is None
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
@@ -213,7 +230,8 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             needs_sample=needs_sample,
-            num_samples=request.sampling_params.n if forks else 1,
+            # n > 1: the first sample is drawn n times from the same logits, then the request forks.
+            num_samples=self._num_sequences(request) if needs_sample else 1,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
@@ -248,28 +266,31 @@ class Scheduler:
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
         updated: list[Request] = []
         ready_groups: dict[str, BeamGroup] = {}
-        errors = dict(failed or {})
+        # Keyed by group: a sibling that finished earlier in this update must not hide its group's failure.
+        errors = {self.requests[rid].group_id: error for rid, error in (failed or {}).items() if rid in self.requests}
         for scheduled in output.scheduled:
             request = self.requests.get(scheduled.request_id)
-            if request is None or request.request_id in errors:  # aborted while the step ran, or failed in it
+            if request is None or request.group_id in errors:  # aborted while the step ran, or its group failed
                 continue
             try:
                 updated += self._update_request(request, scheduled, sampled, logprobs, prompt_logprobs)
             except Exception as exc:
                 logger.exception("Updating request %s failed; it fails alone.", request.request_id)
-                errors[request.request_id] = f"{type(exc).__name__}: {exc}"
+                errors[request.group_id] = f"{type(exc).__name__}: {exc}"
                 continue
             if request.beam_group is not None and request.beam_group.ready:
                 ready_groups[request.group_id] = request.beam_group
-        for group in ready_groups.values():
+        for group_id, group in ready_groups.items():
+            if group_id in errors:
+                continue
             try:
                 self._advance_beams(group)
             except Exception as exc:
-                logger.exception("Advancing beam search %s failed; it fails alone.", group.request_id)
-                errors[group.beams[0].request_id] = f"{type(exc).__name__}: {exc}"
+                logger.exception("Advancing beam search %s failed; it fails alone.", group_id)
+                errors[group_id] = f"{type(exc).__name__}: {exc}"
         if errors:
-            self.fail_requests(errors)
-            updated = [r for r in updated if r.status != RequestStatus.FINISHED_ERROR]
+            self._fail_groups(errors)
+            updated = [r for r in updated if r.group_id not in errors]
         return updated, [r for r in updated if r.is_finished]
 
     def _update_request(self, request: Request, scheduled: ScheduledRequest, sampled: dict[str, list[int]],

@@ -37,6 +37,8 @@ class EngineArgs:
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         architecture = resolve_architecture(hf_config)
         max_model_len = self._max_model_len(hf_config)
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}; fix --max-logprobs.")
         model_config = ModelConfig(
             model=str(model_dir),
             tokenizer=str(self.tokenizer or model_dir),

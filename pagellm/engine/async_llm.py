@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
-from pagellm.engine.exceptions import EngineDeadError, QueueFullError, RequestFailedError
+from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import OutputProcessor
@@ -98,14 +98,14 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as deltas (new text, token ids and logprobs of each CompletionOutput since
-        the previous yield); the last has `finished=True`. Bad input raises ValueError and a full waiting queue
+        the previous yield); the last has `finished=True`. Bad input raises InvalidRequestError and a full waiting queue
         QueueFullError, both before anything is yielded. Leaving the iteration early aborts the request."""
         if self._stopped_reason is not None:
             raise EngineDeadError(self._stopped_reason)
         arrival = time.monotonic()
         request = self.input_processor.process(request_id, prompt, sampling_params)
         if request_id in self._streams:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
         loop = asyncio.get_running_loop()
         stream = _RequestStream(request_id, loop, asyncio.Queue(), RequestStateStats(arrival_time=arrival))
         self._streams[request_id] = stream
@@ -154,12 +154,13 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._stopped_reason is None and self._thread.is_alive()
 
-    def max_requests_at_once(self, n: int) -> int | None:
-        """How many requests of n sequences each can be running or waiting at once (None: no limit): a batch of
-        more prompts than this could never be queued, so it is refused rather than told to retry."""
+    def max_requests_at_once(self, prompt_lens: list[int], n: int) -> int | None:
+        """How many requests with these prompt lengths (in order, n sequences each) can be running or waiting at
+        once (None: no limit): those an idle engine admits, plus `max_waiting_requests`. A batch of more could
+        never be queued, so it is refused rather than told to retry."""
         if self.max_waiting_requests is None:
             return None
-        return self.config.scheduler_config.max_num_seqs // n + self.max_waiting_requests
+        return self.core.scheduler.num_fitting([(n, length) for length in prompt_lens]) + self.max_waiting_requests
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return self._scheduler_stats

@@ -7,7 +7,9 @@ from typing import Any, Union
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
+from pagellm.core.kv_cache_manager import cdiv
 from pagellm.engine.request import Request
+from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = Union[str, dict[str, Any]]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
@@ -29,12 +31,12 @@ class InputProcessor:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return self.tokenize(prompt["prompt"])
-        raise ValueError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}; "
+        raise InvalidRequestError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}; "
                          f"got {type(prompt).__name__}.")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -52,17 +54,17 @@ class InputProcessor:
         """The first beam (the prompt) and its group. Every beam samples greedily and reports its
         2 * beam_width most likely next tokens; the group's EOS handling replaces the per-request one."""
         if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+            raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
         text, token_ids = self.tokenize(prompt)
         self._validate_tokens(token_ids)
         if params.beam_width > self.max_num_seqs:
-            raise ValueError(f"beam_width={params.beam_width} is more than max_num_seqs={self.max_num_seqs}; lower "
+            raise InvalidRequestError(f"beam_width={params.beam_width} is more than max_num_seqs={self.max_num_seqs}; lower "
                              f"beam_width or raise --max-num-seqs.")
         # The group must fit the pool on its own, even if no block were shared.
         length = min(len(token_ids) + params.max_tokens, self.model_config.max_model_len)
-        needed = params.beam_width * self._blocks(length)
+        needed = params.beam_width * cdiv(length, self.block_size)
         if needed > self.num_blocks:
-            raise ValueError(f"beam_width={params.beam_width} beams of up to {length} tokens need {needed} KV "
+            raise InvalidRequestError(f"beam_width={params.beam_width} beams of up to {length} tokens need {needed} KV "
                              f"blocks, more than the {self.num_blocks} in the pool; lower beam_width or "
                              f"max_tokens, or raise the KV cache memory (--kv-cache-memory).")
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False,
@@ -71,23 +73,20 @@ class InputProcessor:
                           eos_token_ids=self.eos_token_ids, max_tokens=params.max_tokens, prompt=text)
         return request, BeamGroup(request_id, params, self.eos_token_ids)
 
-    def _blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def _check_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """The n sequences of a request must fit max_num_seqs and, at full length, the KV pool (sharing only the
-        prompt's full blocks), or they would thrash in preemptions forever."""
+        """The n sequences of a request must fit max_num_seqs, and the KV pool must hold them at their first
+        token (sharing the prompt's full blocks). Beyond that they may outgrow the pool: preemption keeps their
+        tokens and one sequence always fits, so they finish."""
         if params.n > self.max_num_seqs:
-            raise ValueError(f"n must be at most max_num_seqs={self.max_num_seqs}, got {params.n}; lower n or "
-                             f"raise --max-num-seqs.")
-        max_model_len = self.model_config.max_model_len
-        length = min(num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len)
+            raise InvalidRequestError(f"n must be at most max_num_seqs={self.max_num_seqs}, got {params.n}; lower n "
+                                      f"or raise --max-num-seqs.")
         shared = num_prompt_tokens // self.block_size
-        needed = shared + params.n * (self._blocks(length) - shared)
+        needed = shared + params.n * (cdiv(num_prompt_tokens + 1, self.block_size) - shared)
         if needed > self.num_blocks:
-            raise ValueError(f"n is too large for the KV cache: {params.n} sequences of up to {length} tokens need "
-                             f"{needed} KV blocks, more than the {self.num_blocks} in the pool; lower n or max_tokens, "
-                             f"or raise the KV cache memory (--kv-cache-memory).")
+            raise InvalidRequestError(
+                f"n is too large for the KV cache: {params.n} sequences of {num_prompt_tokens + 1} tokens need "
+                f"{needed} KV blocks, more than the {self.num_blocks} in the pool; lower n, or raise the KV cache "
+                f"memory (--kv-cache-memory).")
 
     def _validate_params(self, params: SamplingParams) -> list[list[int]]:
         """Check the token ids params name against the vocabulary, and logprobs against max_logprobs; returns
@@ -96,19 +95,19 @@ class InputProcessor:
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is out of range: ids must be in [0, {vocab}).")
+                raise InvalidRequestError(f"logit_bias token id {bad[0]} is out of range: ids must be in [0, {vocab}).")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"stop_token_ids token id {bad[0]} is out of range: ids must be in [0, {vocab}).")
+            raise InvalidRequestError(f"stop_token_ids token id {bad[0]} is out of range: ids must be in [0, {vocab}).")
         max_logprobs = self.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > max_logprobs:
-                raise ValueError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
+                raise InvalidRequestError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
         bad_words_token_ids = self.tokenize_bad_words(params.bad_words or [])
         for ids in bad_words_token_ids:
             if any(not 0 <= t < vocab for t in ids):
-                raise ValueError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab}): {ids}.")
+                raise InvalidRequestError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab}): {ids}.")
         return bad_words_token_ids
 
     def tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
@@ -126,12 +125,12 @@ class InputProcessor:
 
     def _validate_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise ValueError("The prompt is empty: it must contain at least one token.")
+            raise InvalidRequestError("The prompt is empty: it must contain at least one token.")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             bad = next(t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab)
-            raise ValueError(f"Prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab}).")
+            raise InvalidRequestError(f"Prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab}).")
         max_model_len = self.model_config.max_model_len
         if len(token_ids) > max_model_len:
-            raise ValueError(f"The prompt is {len(token_ids)} tokens long, more than max_model_len "
+            raise InvalidRequestError(f"The prompt is {len(token_ids)} tokens long, more than max_model_len "
                              f"({max_model_len}). Shorten the prompt or raise max_model_len (--max-model-len).")

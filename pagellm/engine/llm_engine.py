@@ -5,7 +5,7 @@ from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
-from pagellm.engine.exceptions import RequestFailedError
+from pagellm.exceptions import RequestFailedError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.request import RequestStatus
@@ -53,26 +53,26 @@ class LLMEngine:
         return self.engine_core.has_unfinished_requests()
 
     def step(self) -> tuple[list[RequestOutput | BeamSearchOutput], int]:
-        """Run one step. Returns the outputs of requests that finished, and how many tokens were generated."""
-        outputs, num_generated = self.step_outputs()
-        return [o for o in outputs if isinstance(o, BeamSearchOutput) or o.finished], num_generated
+        """Run one step. Returns the outputs of requests that finished, and how many tokens were generated.
+        Raises RequestFailedError as `step_outputs` does, with only the finished outputs in it."""
+        try:
+            outputs, num_generated = self.step_outputs()
+        except RequestFailedError as exc:
+            raise RequestFailedError(exc.errors, _finished(exc.outputs)) from None
+        return _finished(outputs), num_generated
 
     def step_outputs(self, delta: bool = False) -> tuple[list[RequestOutput | BeamSearchOutput], int]:
         """Run one step. Returns a RequestOutput for every request that got a token (for streaming: unfinished
         ones carry only text no stop string can retract; `delta` gives only what is new since the last
         step), a BeamSearchOutput (with `request_id` set) for every beam search that finished, and how many
-        tokens were generated. Raises RequestFailedError (after freeing them) when requests failed inside the
-        engine."""
+        tokens were generated. When requests failed inside the engine, they are freed and RequestFailedError is
+        raised instead, holding the step's other outputs."""
         core_outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(core_outputs.outputs, delta=delta)
         if processed.stopped:
             # A stop string ended these: finish them in the core now so their KV blocks go back to the pool.
             self.engine_core.finish_requests(list(processed.stopped), RequestStatus.FINISHED_STOPPED,
                                              stop_reasons=dict(processed.stopped))
-        failed = core_outputs.failed | processed.failed
-        if failed:
-            self.abort_request(list(failed))
-            raise RequestFailedError(failed)
         outputs: list[RequestOutput | BeamSearchOutput] = list(processed.request_outputs)
         for request_id, result in core_outputs.finished_beam_searches.items():
             num_prompt_tokens = self._beam_prompt_lens.pop(request_id)
@@ -83,4 +83,12 @@ class LLMEngine:
                 sequence.text = self.tokenizer.decode(generated, skip_special_tokens=True)
             result.request_id = request_id
             outputs.append(result)
+        failed = core_outputs.failed | processed.failed
+        if failed:
+            self.abort_request(list(failed))
+            raise RequestFailedError(failed, outputs)
         return outputs, len(core_outputs.outputs)
+
+
+def _finished(outputs: list[RequestOutput | BeamSearchOutput]) -> list[RequestOutput | BeamSearchOutput]:
+    return [o for o in outputs if isinstance(o, BeamSearchOutput) or o.finished]

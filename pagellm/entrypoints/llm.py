@@ -13,6 +13,7 @@ from pagellm.beam_search import BeamSearchOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.exceptions import InvalidRequestError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -51,7 +52,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one "
+                raise InvalidRequestError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one "
                                  f"SamplingParams for all, or exactly one per prompt.")
         return self._run(prompts, params_list, use_tqdm, self.llm_engine.add_request)
 
@@ -71,7 +72,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
+            raise InvalidRequestError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,

@@ -5,7 +5,8 @@ pinned host buffers and copied with non_blocking=True.
 
 A request whose own work fails (its prompt logprobs, its sampling parameters) is reported in
 `ModelRunnerOutput.failed` and the rest of the batch keeps its results: when a batched sampling call raises, each
-request's rows are sampled alone (seeded generators rewound first) to find the one that breaks it.
+request's rows are sampled alone (seeded generators rewound first, so greedy and seeded requests get exactly the
+tokens the batch would have given them) to find the one that breaks it.
 """
 from __future__ import annotations
 

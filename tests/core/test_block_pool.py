@@ -34,7 +34,6 @@ class TestBlockPool:
         assert pool.num_blocks == 6
         assert pool.num_free_blocks == 6
         assert pool.num_used_blocks == 0
-        assert pool.usage == 0.0
         assert all(b.ref_cnt == 0 for b in pool.blocks)
         assert [b.block_id for b in pool.blocks] == list(range(6))
 
@@ -52,7 +51,6 @@ class TestBlockPool:
         assert all(block.ref_cnt == 1 for block in a + b)
         assert pool.num_free_blocks == 0
         assert pool.num_used_blocks == 5
-        assert pool.usage == 1.0
         # The pool hands out its own block objects, so ref counts are visible through pool.blocks.
         assert all(pool.blocks[block.block_id] is block for block in a + b)
 
@@ -169,7 +167,7 @@ class TestKVCacheManager:
         assert kv.allocate_slots(req, 9)
         assert kv.get_block_ids("r0") == [0, 1, 2]
         assert kv.block_pool.num_free_blocks == 7
-        assert kv.usage == pytest.approx(0.3)
+        assert kv.block_pool.num_used_blocks == 3
 
     @pytest.mark.parametrize("block_size", [1, 2, 4, 16])
     def test_growth_is_exactly_the_missing_blocks(self, block_size):

@@ -14,13 +14,13 @@ from pagellm.sampling_params import SamplingParams
 TOKEN = 7
 
 
-def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8) -> Scheduler:
-    config = SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     return Scheduler(config, KVCacheManager(num_blocks, block_size))
 
 
-def make_request(request_id: str, prompt_len: int = 6, n: int = 1) -> Request:
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=8, ignore_eos=True)
+def make_request(request_id: str, prompt_len: int = 6, n: int = 1, stop_token_ids: tuple[int, ...] = ()) -> Request:
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=8, ignore_eos=True, stop_token_ids=list(stop_token_ids))
     return Request(request_id=request_id, prompt_token_ids=list(range(100, 100 + prompt_len)),
                    sampling_params=params, eos_token_ids=frozenset(), max_tokens=8)
 
@@ -61,6 +61,40 @@ def test_a_request_whose_update_raises_fails_alone_with_its_whole_group(monkeypa
     while sched.has_unfinished_requests():
         step(sched)
     assert used_blocks(sched) == 0
+
+
+def test_a_failure_after_a_sibling_finished_in_the_same_update_still_fails_the_group(monkeypatch):
+    """The parent stops at its first token; applying its fork's token then raises. The failure is the group's,
+    so the fork is freed and reported even though the sequence that was being updated is already finished."""
+    sched = make_scheduler()
+    sched.add_request(make_request("pair", n=2, stop_token_ids=(TOKEN,)))
+    check_stop = sched._check_stop
+
+    def broken_for_the_fork(request):
+        if request.index == 1:
+            raise RuntimeError("injected")
+        return check_stop(request)
+
+    monkeypatch.setattr(sched, "_check_stop", broken_for_the_fork)
+    updated, _ = step(sched)
+    assert updated == [] and sched.take_failed_groups() == {"pair": "RuntimeError: injected"}
+    assert not sched.requests and not sched.has_unfinished_requests() and used_blocks(sched) == 0
+    sched.check_consistency()
+
+
+def test_the_slots_of_a_future_fork_are_held_through_a_chunked_prefill():
+    """A 40-token prompt with n=4 prefills in 16-token chunks on 4 sequence slots: nothing else is admitted into
+    its three future sequences' slots meanwhile."""
+    sched = make_scheduler(num_blocks=64, max_num_seqs=4, budget=16)
+    sched.add_request(make_request("four", prompt_len=40, n=4))
+    for i in range(3):
+        sched.add_request(make_request(f"late{i}"))
+    most = 0
+    while sched.has_unfinished_requests():
+        step(sched)
+        most = max(most, len(sched.running))
+        assert len(sched.running) <= 4
+    assert most == 4
 
 
 def test_worker_failures_fail_those_requests_and_no_others():

@@ -13,7 +13,7 @@ import torch
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.core import MAX_CONSECUTIVE_FAILED_STEPS
-from pagellm.engine.exceptions import RequestFailedError
+from pagellm.exceptions import RequestFailedError
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.llm import LLM
 from pagellm.sampling_params import SamplingParams
@@ -70,9 +70,9 @@ def run(engine: LLMEngine, names) -> tuple[dict[str, list[list[int]]], dict[str,
     while engine.has_unfinished_requests():
         try:
             finished, _ = engine.step()
-        except RequestFailedError as exc:
+        except RequestFailedError as exc:  # the others' outputs of that step come with it
             failures.update(exc.errors)
-            continue
+            finished = exc.outputs
         for output in finished:
             tokens[output.request_id] = [c.token_ids for c in output.outputs]
     return tokens, failures
@@ -89,6 +89,19 @@ def test_a_request_whose_sampling_fails_fails_alone(engine, monkeypatch):
     assert tokens == expected
     assert used_blocks(engine) == 0
     engine.engine_core.scheduler.check_consistency()
+
+
+def test_outputs_of_the_failing_step_are_not_lost(engine, monkeypatch):
+    """"short" finishes in the very step in which "bad" fails: its output comes with the RequestFailedError."""
+    fail_sampling_of(monkeypatch, engine, "bad", from_sample=2)
+    engine.add_request("bad", PROMPTS["bad"], PARAMS["bad"])
+    engine.add_request("short", PROMPTS["greedy"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    with pytest.raises(RequestFailedError) as failure:
+        engine.step()
+    assert list(failure.value.errors) == ["bad"]
+    assert [o.request_id for o in failure.value.outputs] == ["short"] and failure.value.outputs[0].finished
+    assert not engine.has_unfinished_requests() and used_blocks(engine) == 0
 
 
 def test_prompt_logprobs_failure_fails_that_request_only(engine, monkeypatch):
@@ -108,10 +121,11 @@ def test_prompt_logprobs_failure_fails_that_request_only(engine, monkeypatch):
     tokens, failures = {}, {}
     while engine.has_unfinished_requests():
         try:
-            for output in engine.step()[0]:
-                tokens[output.request_id] = output
+            finished, _ = engine.step()
         except RequestFailedError as exc:
             failures.update(exc.errors)
+            finished = exc.outputs
+        tokens.update((output.request_id, output) for output in finished)
     assert list(failures) == ["asks"] and list(tokens) == ["fine"]
     assert len(tokens["fine"].prompt_logprobs) == len(tokens["fine"].prompt_token_ids)
     assert used_blocks(engine) == 0

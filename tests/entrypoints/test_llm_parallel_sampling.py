@@ -101,11 +101,9 @@ def test_seeded_n_is_reproducible_across_batches_and_preemption(model_dir, make_
     alone = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                 kv_cache_memory_bytes=8 << 20)
     expected = [[c.token_ids for c in alone.generate(p, params, use_tqdm=False)[0].outputs] for p in prompts]
-    # A pool that holds the largest request's n sequences at full length (what admission requires) and one
-    # block more: the batch cannot fit, so sequences are preempted.
-    full_len = len(prompts[2]["prompt_token_ids"]) + params.max_tokens
-    shared = len(prompts[2]["prompt_token_ids"]) // BLOCK_SIZE
-    num_blocks = shared + params.n * (-(-full_len // BLOCK_SIZE) - shared) + 1
+    # A pool of just over one max_model_len request: the batch cannot fit, and not even the longest prompt's n
+    # sequences at full length, so sequences are preempted (and still finish with the same tokens).
+    num_blocks = MAX_MODEL_LEN // BLOCK_SIZE + 2
     small = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                 kv_cache_memory_bytes=pool_bytes(model_dir, BLOCK_SIZE, num_blocks))
     mixed = small.generate(prompts + prompts[:2], [params] * 4 + [other] * 2, use_tqdm=False)

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagellm.engine.exceptions import EngineDeadError, QueueFullError, RequestFailedError
+from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
@@ -19,6 +19,7 @@ from pagellm.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 RETRY_AFTER_SECONDS = 1
+MAX_REPORTED_VALIDATION_ERRORS = 5
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
@@ -51,8 +52,9 @@ def to_error_body(exc: Exception) -> ErrorResponse:
     """The body for an error raised while serving (also sent as the last event of a broken stream)."""
     if isinstance(exc, OpenAIServingError):
         return error_body(exc.message, exc.status, exc.param)
-    if isinstance(exc, ValueError):
-        # SamplingParams and the engine's input checks start their messages with the offending field's name.
+    if isinstance(exc, InvalidRequestError):
+        # SamplingParams and the engine's input checks start their messages with the offending field's name. Any
+        # other ValueError is a bug, answered 500 below like every unexpected error.
         first_word = str(exc).split(" ", 1)[0]
         return error_body(str(exc), HTTPStatus.BAD_REQUEST, first_word if first_word in _PARAM_NAMES else None)
     if isinstance(exc, QueueFullError):
@@ -76,7 +78,8 @@ def sse_error(exc: Exception) -> str:
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
-    for error in exc.errors():
+    errors = exc.errors()
+    for error in errors[:MAX_REPORTED_VALIDATION_ERRORS]:
         # Locations name the body, then fields; a union body adds the member's class name (CamelCase), not a field.
         location = [str(part) for part in error.get("loc", ()) if part != "body" and not str(part)[:1].isupper()]
         if error.get("type") == "json_invalid":
@@ -86,6 +89,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         field = (error.get("ctx") or {}).get("field")
         param = param or (location[0] if location else field)
         parts.append(f"{'.'.join(location) or field or 'body'}: {error.get('msg')}")
+    if len(errors) > MAX_REPORTED_VALIDATION_ERRORS:  # a bad item of a long list fails every union member
+        parts.append(f"and {len(errors) - MAX_REPORTED_VALIDATION_ERRORS} more")
     return "; ".join(parts) or "Invalid request.", param
 
 
@@ -107,7 +112,7 @@ def register_error_handlers(app: FastAPI) -> None:
         # Starlette re-raises after this handler, so the server logs the trace; the client gets no details.
         return JSONResponse(to_error_body(exc).model_dump(), status_code=HTTPStatus.INTERNAL_SERVER_ERROR.value)
 
-    for exc_class in (OpenAIServingError, ValueError, QueueFullError, EngineDeadError, RequestFailedError):
+    for exc_class in (OpenAIServingError, InvalidRequestError, QueueFullError, EngineDeadError, RequestFailedError):
         app.add_exception_handler(exc_class, on_serving_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)

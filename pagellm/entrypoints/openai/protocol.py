@@ -21,6 +21,12 @@ PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
 NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 _NEUTRAL_VALUES = (None, False, "", [], {})
+# Bounds on lists whose every item costs work per request or per step (tokenizing bad words on the event loop,
+# stop strings searched in every new text, bans and biases applied every step).
+MAX_BATCH_PROMPTS = 4096
+MAX_STOP_STRINGS = 64
+MAX_BAD_WORDS = 256
+MAX_TOKEN_ID_ITEMS = 1024
 
 
 class OpenAIBaseModel(BaseModel):
@@ -31,31 +37,33 @@ class OpenAIBaseModel(BaseModel):
 
 def _has_lone_surrogate(value: Any) -> bool:
     """JSON may escape half of a UTF-16 surrogate pair ("\\ud800"), which decodes to a string that is not valid
-    Unicode: no tokenizer or encoder accepts it."""
-    if isinstance(value, str):
-        if value.isascii():
-            return False
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(item) for item in value if not isinstance(item, int))
+    Unicode: no tokenizer or encoder accepts it. Walked with a stack, not recursion: JSON nests ~1000 deep."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(x for x in item if not isinstance(x, int))
     return False
 
 
 class RequestModel(OpenAIBaseModel):
-    """A request body: its text must be valid Unicode."""
+    """A request body: the text of its fields must be valid Unicode (unknown fields are ignored unread)."""
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_invalid_text(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, value in data.items():
-                if _has_lone_surrogate(value):
+            for name in cls.model_fields.keys() & data.keys():
+                if _has_lone_surrogate(data[name]):
                     raise PydanticCustomError("invalid_text", "{field} holds text that is not valid Unicode (a lone "
                                               "UTF-16 surrogate such as \\ud800)", {"field": name})
         return data
@@ -83,6 +91,8 @@ class SamplingRequest(RequestModel):
         "length_penalty": "beam search is offline only (LLM.beam_search)",
         "return_tokens_as_token_ids": "return_tokens_as_token_ids is not implemented",
         "vllm_xargs": "vllm_xargs (custom logits-processor arguments) is not supported",
+        "prompt_embeds": "prompt embeddings are not supported", "mm_processor_kwargs": "multimodal input is not "
+                                                                                      "supported",
     }
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {"response_format": ({"type": "text"},)}
 
@@ -90,13 +100,13 @@ class SamplingRequest(RequestModel):
     n: PositiveInt64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: Int64 | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_TOKEN_ID_ITEMS)] | None = None
     user: str | None = None
     # vLLM's extras
     top_k: Int64 = -1
@@ -104,11 +114,11 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: NonNegativeInt64 = 0
-    stop_token_ids: list[NonNegativeInt64] | None = None
+    stop_token_ids: Annotated[list[NonNegativeInt64], Field(max_length=MAX_TOKEN_ID_ITEMS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    bad_words: list[str] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     truncate_prompt_tokens: PositiveInt64 | None = None
     priority: Int64 = 0  # accepted for vLLM compatibility; the scheduler is FCFS and does not use it yet
 
@@ -128,7 +138,7 @@ class SamplingRequest(RequestModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+        """Raises InvalidRequestError naming the field when a value is out of range."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, max_tokens=max_tokens,
@@ -149,7 +159,8 @@ class CompletionRequest(SamplingRequest):
         "suffix": "insertion (suffix) is not implemented",
     }
 
-    prompt: list[int] | list[list[int]] | str | list[str]
+    prompt: (list[int] | Annotated[list[list[int]], Field(max_length=MAX_BATCH_PROMPTS)] | str
+             | Annotated[list[str], Field(max_length=MAX_BATCH_PROMPTS)])
     max_tokens: PositiveInt64 | None = 16
     logprobs: NonNegativeInt64 | None = None
     best_of: PositiveInt64 | None = None

@@ -39,12 +39,11 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         model = self.model_name(request.model)
         params = request.to_sampling_params(request.max_tokens, request.logprobs)
-        batch = self._batch(request.prompt)
-        self.check_batch_size(len(batch), params)
-        prompts = [await self._prompt(p, request.add_special_tokens, params.truncate_prompt_tokens is not None)
-                   for p in batch]
+        truncating = params.truncate_prompt_tokens is not None
+        prompts = [await self._prompt(p, request.add_special_tokens, truncating) for p in self._batch(request.prompt)]
         for prompt in prompts:
             self.check_length(prompt, params, "prompt")
+        self.check_batch_size(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         first, rest = await self.start(prompts, params, request_id)
         if request.stream:

@@ -71,10 +71,13 @@ class OpenAIServing:
         # The template already holds any BOS; by default no special tokens are added, which would double it.
         return await self.text_prompt(text, add_special_tokens, "messages", truncating)
 
+    @staticmethod
+    def num_prompt_tokens(prompt: TokensPrompt, params: SamplingParams) -> int:
+        """The prompt's length as the engine will see it (after truncate_prompt_tokens)."""
+        return min(len(prompt["prompt_token_ids"]), params.truncate_prompt_tokens or len(prompt["prompt_token_ids"]))
+
     def check_length(self, prompt: TokensPrompt, params: SamplingParams, param: str) -> None:
-        num_tokens = len(prompt["prompt_token_ids"])
-        if params.truncate_prompt_tokens is not None:
-            num_tokens = min(num_tokens, params.truncate_prompt_tokens)
+        num_tokens = self.num_prompt_tokens(prompt, params)
         if num_tokens > self.max_model_len:
             raise self._too_long(num_tokens, param)
         if params.max_tokens is not None and num_tokens + params.max_tokens > self.max_model_len:
@@ -83,14 +86,15 @@ class OpenAIServing:
                 f"{num_tokens + params.max_tokens} tokens ({num_tokens} in the prompt, {params.max_tokens} for the "
                 f"completion). Shorten the prompt or lower max_tokens.", param="max_tokens")
 
-    def check_batch_size(self, num_prompts: int, params: SamplingParams) -> None:
-        """A batch the server could never hold at once is refused outright: a 503 would invite useless retries."""
-        limit = self.engine.max_requests_at_once(params.n)
-        if limit is not None and num_prompts > limit:
+    def check_batch_size(self, prompts: list[TokensPrompt], params: SamplingParams) -> None:
+        """A batch the server could never hold at once (sequence slots, KV blocks, waiting room) is refused
+        outright: a 503 would invite retries that cannot succeed."""
+        limit = self.engine.max_requests_at_once([self.num_prompt_tokens(p, params) for p in prompts], params.n)
+        if limit is not None and len(prompts) > limit:
             raise OpenAIServingError(
-                f"This request has {num_prompts} prompts, but with n={params.n} the server holds at most {limit} "
-                f"requests at once (--max-num-seqs and --max-waiting-requests); send fewer prompts per request.",
-                param="prompt")
+                f"This request has {len(prompts)} prompts, but with n={params.n} the server holds at most {limit} "
+                f"of them at once (sequence slots and KV cache of --max-num-seqs and --kv-cache-memory, plus "
+                f"--max-waiting-requests); send fewer prompts per request.", param="prompt")
 
     async def start(self, prompts: list[TokensPrompt], params: SamplingParams,
                     request_id: str) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:

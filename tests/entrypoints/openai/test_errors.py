@@ -80,12 +80,29 @@ def assert_still_serving(http) -> None:
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # Text that is not valid Unicode, nesting deep enough to exhaust a recursive walk, lists that would cost
+    # work per step.
+    ("/v1/completions", dict(GOOD, prompt="\ud800"), "prompt"),
+    ("/v1/completions", dict(GOOD, prompt=["fine", "\udfff\ud800"]), "prompt"),
+    ("/v1/completions", dict(GOOD, bad_words=["\ud800"]), "bad_words"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/completions", dict(GOOD, stop=json.loads("[" * 900 + "]" * 900)), "stop"),
+    ("/v1/completions", dict(GOOD, bad_words=["word"] * 257), "bad_words"),
+    ("/v1/completions", dict(GOOD, stop=["x"] * 65), "stop"),
+    ("/v1/completions", dict(GOOD, prompt=["Hi"] * 4097), "prompt"),
 ])
 def test_bad_parameters_are_400(http, path, body, param):
     # Python's json writes NaN and Infinity as JSON's popular extension does; httpx's json= would refuse them.
     response = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
     assert_error(response, 400, param)
     assert_still_serving(http)
+
+
+def test_deeply_nested_unknown_fields_are_ignored(http):
+    body = json.dumps(dict(GOOD, junk=json.loads("[" * 900 + "]" * 900)))
+    response = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
 
 
 def test_streaming_request_with_bad_parameters_is_400_before_the_stream(http):

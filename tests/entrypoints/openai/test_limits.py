@@ -100,7 +100,7 @@ def test_the_event_loop_answers_while_a_huge_prompt_is_tokenized(server):
     assert result["response"].status_code == 200, result["response"].text
     assert result["response"].json()["usage"]["prompt_tokens"] == 8
     assert len(latencies) >= 10  # the tokenization took a while: /health was asked many times meanwhile
-    assert statistics.median(latencies) < 0.1 and max(latencies) < 0.5, latencies
+    assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0, latencies
 
 
 def test_an_obviously_too_long_prompt_is_refused_before_it_is_tokenized(server):
@@ -108,7 +108,7 @@ def test_an_obviously_too_long_prompt_is_refused_before_it_is_tokenized(server):
     response = httpx.post(f"{server.url}/v1/completions", json=dict(GOOD, prompt="word " * 1_000_000),
                           headers=AUTH, timeout=60)
     error = assert_error(response, 400)
-    assert time.monotonic() - start < 2  # tokenizing 5 MB takes several seconds here
+    assert time.monotonic() - start < 3  # tokenizing 5 MB takes 6 s or more here
     assert error["param"] == "prompt" and "at least" in error["message"] and "--max-model-len" in error["message"]
 
 
