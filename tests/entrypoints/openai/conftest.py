@@ -71,6 +71,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def guarded_server(model_dir, start_server):
-    """API key, a 64 KiB body limit, 64 sequences per step and at most 4 requests waiting for capacity."""
+    """API key, a 64 KiB body limit, 64 sequences per step, a KV pool of 256 blocks of 16 tokens (the last
+    --kv-cache-memory wins) and at most 4 requests waiting for capacity."""
     yield from start_server(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", "64KiB",
-                            "--max-num-seqs", "64", "--max-waiting-requests", "4")
+                            "--max-num-seqs", "64", "--kv-cache-memory", "2MiB", "--max-waiting-requests", "4")

@@ -65,6 +65,16 @@ def test_a_batch_that_can_never_be_queued_is_400_not_503(guarded_server):
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 68
 
 
+def test_a_batch_larger_than_the_kv_pool_can_ever_hold_is_400(guarded_server):
+    """Prompts of 200 token ids take 13 blocks each: 19 fit the 256-block pool at once, and 4 more may wait."""
+    url = f"{guarded_server.url}/v1/completions"
+    prompts = [[100 + i] * 200 for i in range(24)]
+    error = assert_error(httpx.post(url, json=dict(GOOD, prompt=prompts), headers=AUTH, timeout=30), 400)
+    assert "--kv-cache-memory" in error["message"] and "at most 23" in error["message"]
+    fits = httpx.post(url, json=dict(GOOD, prompt=prompts[:23]), headers=AUTH, timeout=120)
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 23
+
+
 @pytest.mark.parametrize("header", ["bearer " + API_KEY, "BEARER " + API_KEY, "Bearer  " + API_KEY])
 def test_the_bearer_scheme_is_case_insensitive(guarded_server, header):
     response = httpx.get(f"{guarded_server.url}/v1/models", headers={"Authorization": header}, timeout=30)
