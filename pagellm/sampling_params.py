@@ -83,7 +83,8 @@ class SamplingParams:
             try:
                 self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError, OverflowError):
-                raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
+                raise InvalidRequestError(f"logit_bias must map token ids to numbers, got "
+                                          f"{self.logit_bias!r}.") from None
             if not all(math.isfinite(b) for b in self.logit_bias.values()):
                 raise InvalidRequestError("logit_bias values must be finite numbers (no NaN or Infinity).")
             self.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}
@@ -119,7 +120,7 @@ class SamplingParams:
             raise InvalidRequestError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings are only supported when detokenize is True; set detokenize=True "
-                             "or use stop_token_ids.")
+                                      "or use stop_token_ids.")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
@@ -130,7 +131,7 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                             f"got {self.min_tokens}.")
+                                      f"got {self.min_tokens}.")
         if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
             raise InvalidRequestError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
         for name in ("logprobs", "prompt_logprobs"):

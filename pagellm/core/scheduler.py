@@ -46,7 +46,8 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
         if request.group_id in self.groups or request.request_id in self.requests:
-            raise InvalidRequestError(f"Request id {request.group_id!r} is already in use; give each request a unique id.")
+            raise InvalidRequestError(f"Request id {request.group_id!r} is already in use; give each request a "
+                                      f"unique id.")
         if beam_group is not None:
             request.beam_group = beam_group
             beam_group.beams = [request]
@@ -205,8 +206,8 @@ class Scheduler:
 
     def _make_room_for_waiting(self, output: SchedulerOutput) -> None:
         """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not
-        fit (in the pool, or under max_num_seqs). Preempt other requests' sequences (newest first, to the back of the queue) until it does; a beam
-        group alone always fits the pool (checked when it is added)."""
+        fit (in the pool, or under max_num_seqs). Preempt other requests' sequences (newest first, to the back of
+        the queue) until it does; a beam group alone always fits the pool (checked when it is added)."""
         head = self.waiting[0]
         need = self.kv_cache_manager.num_blocks_for_tokens(head.num_tokens)
         for victim in reversed(list(self.running)):

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
-from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.request import Request, RequestStatus
+from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger
 from pagellm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase
@@ -98,8 +98,8 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as deltas (new text, token ids and logprobs of each CompletionOutput since
-        the previous yield); the last has `finished=True`. Bad input raises InvalidRequestError and a full waiting queue
-        QueueFullError, both before anything is yielded. Leaving the iteration early aborts the request."""
+        the previous yield); the last has `finished=True`. Bad input raises InvalidRequestError and a full waiting
+        queue QueueFullError, both before anything is yielded. Leaving the iteration early aborts the request."""
         if self._stopped_reason is not None:
             raise EngineDeadError(self._stopped_reason)
         arrival = time.monotonic()

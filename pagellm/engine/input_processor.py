@@ -1,6 +1,7 @@
 """Validates and tokenizes what users submit, turning it into engine Requests. Everything that depends on this
 engine (vocabulary, context length, sequence slots, KV pool size, max_logprobs) is checked here, so a request the
-engine could never serve is refused with a ValueError naming the field and the limit, before it is queued."""
+engine could never serve is refused with an InvalidRequestError naming the field and the limit, before it is
+queued."""
 from __future__ import annotations
 
 from typing import Any, Union
@@ -31,8 +32,8 @@ class InputProcessor:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return self.tokenize(prompt["prompt"])
-        raise InvalidRequestError(f"A prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}; "
-                         f"got {type(prompt).__name__}.")
+        raise InvalidRequestError(f"A prompt must be a string, {{'prompt': str}} or "
+                                  f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}.")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
@@ -58,15 +59,15 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         self._validate_tokens(token_ids)
         if params.beam_width > self.max_num_seqs:
-            raise InvalidRequestError(f"beam_width={params.beam_width} is more than max_num_seqs={self.max_num_seqs}; lower "
-                             f"beam_width or raise --max-num-seqs.")
+            raise InvalidRequestError(f"beam_width={params.beam_width} is more than max_num_seqs="
+                                      f"{self.max_num_seqs}; lower beam_width or raise --max-num-seqs.")
         # The group must fit the pool on its own, even if no block were shared.
         length = min(len(token_ids) + params.max_tokens, self.model_config.max_model_len)
         needed = params.beam_width * cdiv(length, self.block_size)
         if needed > self.num_blocks:
             raise InvalidRequestError(f"beam_width={params.beam_width} beams of up to {length} tokens need {needed} KV "
-                             f"blocks, more than the {self.num_blocks} in the pool; lower beam_width or "
-                             f"max_tokens, or raise the KV cache memory (--kv-cache-memory).")
+                                      f"blocks, more than the {self.num_blocks} in the pool; lower beam_width or "
+                                      f"max_tokens, or raise the KV cache memory (--kv-cache-memory).")
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False,
                                   logprobs=min(2 * params.beam_width, self.model_config.vocab_size))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling,
@@ -133,4 +134,5 @@ class InputProcessor:
         max_model_len = self.model_config.max_model_len
         if len(token_ids) > max_model_len:
             raise InvalidRequestError(f"The prompt is {len(token_ids)} tokens long, more than max_model_len "
-                             f"({max_model_len}). Shorten the prompt or raise max_model_len (--max-model-len).")
+                                      f"({max_model_len}). Shorten the prompt or raise max_model_len "
+                                      f"(--max-model-len).")

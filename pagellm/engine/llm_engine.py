@@ -5,10 +5,10 @@ from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
-from pagellm.exceptions import RequestFailedError
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.request import RequestStatus
+from pagellm.exceptions import RequestFailedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer

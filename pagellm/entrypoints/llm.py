@@ -52,8 +52,8 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise InvalidRequestError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one "
-                                 f"SamplingParams for all, or exactly one per prompt.")
+                raise InvalidRequestError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass "
+                                          f"one SamplingParams for all, or exactly one per prompt.")
         return self._run(prompts, params_list, use_tqdm, self.llm_engine.add_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
@@ -72,7 +72,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError("This model's tokenizer has no chat template; pass chat_template=... or use generate().")
+            raise InvalidRequestError("This model's tokenizer has no chat template; pass chat_template=... or use "
+                                      "generate().")
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,

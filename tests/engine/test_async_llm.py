@@ -11,8 +11,8 @@ import torch
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.exceptions import EngineDeadError
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.exceptions import EngineDeadError
 from pagellm.metrics.stats import IterationStats, StatLoggerBase
 from pagellm.sampling_params import SamplingParams
 

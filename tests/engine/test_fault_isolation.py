@@ -13,9 +13,9 @@ import torch
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.core import MAX_CONSECUTIVE_FAILED_STEPS
-from pagellm.exceptions import RequestFailedError
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.llm import LLM
+from pagellm.exceptions import RequestFailedError
 from pagellm.sampling_params import SamplingParams
 
 PROMPTS = {"greedy": "The capital of France is", "seeded": "Once upon a time", "bad": "def fibonacci(n):",

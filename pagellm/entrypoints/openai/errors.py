@@ -11,8 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
 
