@@ -45,15 +45,30 @@ class RequestResult:
     error: str = ""
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=["openai", "openai-chat"], default="openai",
-                        help="openai: /v1/completions with a prompt; openai-chat: /v1/chat/completions with messages")
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that name the server under test (shared by `bench serve` and `bench soak`)."""
     parser.add_argument("--base-url", default=None, help="server root (default http://127.0.0.1:8000)")
     parser.add_argument("--host", default=None, help="server host, instead of --base-url (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="server port, instead of --base-url (default 8000)")
-    parser.add_argument("--endpoint", default=None, help="default /v1/completions, or /v1/chat/completions for chat")
     parser.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
     parser.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY or $PAGELLM_API_KEY")
+
+
+def server_address(args: argparse.Namespace) -> tuple[str, dict[str, str]]:
+    """(base URL, auth headers) from the flags of `add_server_args`."""
+    if args.host is not None or args.port is not None:
+        base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+    else:
+        base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGELLM_API_KEY")
+    return base_url, {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=["openai", "openai-chat"], default="openai",
+                        help="openai: /v1/completions with a prompt; openai-chat: /v1/chat/completions with messages")
+    add_server_args(parser)
+    parser.add_argument("--endpoint", default=None, help="default /v1/completions, or /v1/chat/completions for chat")
     parser.add_argument("--tokenizer", default=None, help="builds and counts prompts (default: the default model's)")
     parser.add_argument("--dataset-name", choices=["random"], default="random")
     parser.add_argument("--dataset-path", default=None,
@@ -257,7 +272,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     return selected, percentiles
 
 
-def _listed_model(base_url: str, headers: dict) -> str | None:
+def listed_model(base_url: str, headers: dict) -> str | None:
     """GET /v1/models: proves the server is reachable before the run, and names its first model, if any."""
     try:
         response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10.0)
@@ -293,15 +308,10 @@ def format_report(metrics: dict, selected: list[str], percentiles: list[float], 
 
 def run(args: argparse.Namespace) -> dict:
     selected, percentiles = _validate(args)
-    if args.host is not None or args.port is not None:
-        base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
-    else:
-        base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/")
+    base_url, headers = server_address(args)
     chat = args.backend == "openai-chat"
     url = base_url + (args.endpoint or ("/v1/chat/completions" if chat else "/v1/completions"))
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGELLM_API_KEY")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    listed = _listed_model(base_url, headers)  # probed even with --model: an unreachable server fails fast
+    listed = listed_model(base_url, headers)  # probed even with --model: an unreachable server fails fast
     model = args.model or listed
     if model is None:
         raise ValueError(f"{base_url}/v1/models names no model; pass --model")

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from pagellm.benchmarks.serve import _listed_model, load_tokenizer, random_prompts
+from pagellm.benchmarks.serve import add_server_args, listed_model, load_tokenizer, random_prompts, server_address
 from pagellm.benchmarks.soak_report import (Outcome, ServerState, SoakReport, drain, fetch_state, health_status,
                                             summarize)
 
@@ -218,11 +217,7 @@ async def run_soak(target: Target, plans: Callable[[int], PlannedRequest], concu
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default=None, help="server root (default http://127.0.0.1:8000)")
-    parser.add_argument("--host", default=None, help="server host, instead of --base-url (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="server port, instead of --base-url (default 8000)")
-    parser.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
-    parser.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY or $PAGELLM_API_KEY")
+    add_server_args(parser)
     parser.add_argument("--tokenizer", default=None, help="builds the random prompts (default: the default model's)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic, before the drain")
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending one request at a time each")
@@ -253,13 +248,8 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _connect(args: argparse.Namespace) -> Target:
     """The server, its model and that model's lengths, without prompts yet."""
-    if args.host is not None or args.port is not None:
-        base_url = f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
-    else:
-        base_url = (args.base_url or "http://127.0.0.1:8000").rstrip("/")
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGELLM_API_KEY")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model = args.model or _listed_model(base_url, headers)  # raises ConnectionError when unreachable
+    base_url, headers = server_address(args)
+    model = args.model or listed_model(base_url, headers)  # raises ConnectionError when unreachable
     cards = {card["id"]: card for card in _json_or_raise(httpx.get(f"{base_url}/v1/models", headers=headers,
                                                                    timeout=10.0))["data"]}
     if model not in cards:
