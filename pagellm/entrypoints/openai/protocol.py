@@ -91,8 +91,8 @@ class SamplingRequest(RequestModel):
         "length_penalty": "beam search is offline only (LLM.beam_search)",
         "return_tokens_as_token_ids": "return_tokens_as_token_ids is not implemented",
         "vllm_xargs": "vllm_xargs (custom logits-processor arguments) is not supported",
-        "prompt_embeds": "prompt embeddings are not supported", "mm_processor_kwargs": "multimodal input is not "
-                                                                                      "supported",
+        "prompt_embeds": "prompt embeddings are not supported",
+        "mm_processor_kwargs": "multimodal input is not supported",
     }
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {"response_format": ({"type": "text"},)}
 
