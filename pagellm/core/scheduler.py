@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
@@ -115,23 +116,26 @@ class Scheduler:
         """Waiting requests that could not start now even with an unlimited token budget: counting from the head
         of the queue, those beyond the free sequence slots (n each) or the free KV blocks (their tokens so far).
         A burst that fits is not a backlog."""
-        demands = [(self._num_sequences(r), r.num_tokens) for r in self.waiting]
+        demands = ((self._num_sequences(r), r.num_tokens) for r in self.waiting)
         free_seqs = self.config.max_num_seqs - self._num_slots_in_use()
-        return len(demands) - self.num_fitting(demands, free_seqs, self.kv_cache_manager.block_pool.num_free_blocks)
+        free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
+        return len(self.waiting) - self.num_fitting(demands, free_seqs, free_blocks)
 
-    def num_fitting(self, demands: list[tuple[int, int]], free_seqs: int | None = None,
+    def num_fitting(self, demands: Iterable[tuple[int, int]], free_seqs: int | None = None,
                     free_blocks: int | None = None) -> int:
         """How many of these (sequence slots, tokens) demands, taken in order, fit the free slots and KV blocks
         (by default: all of them, as in an idle engine). Reads only constants when defaulted, so any thread may
         ask."""
         free_seqs = self.config.max_num_seqs if free_seqs is None else free_seqs
         free_blocks = self.kv_cache_manager.num_blocks if free_blocks is None else free_blocks
-        for position, (num_seqs, num_tokens) in enumerate(demands):
+        fitting = 0
+        for num_seqs, num_tokens in demands:
             free_seqs -= num_seqs
             free_blocks -= self.kv_cache_manager.num_blocks_for_tokens(num_tokens)
             if free_seqs < 0 or free_blocks < 0:
-                return position
-        return len(demands)
+                break
+            fitting += 1
+        return fitting
 
     def stats(self) -> SchedulerStats:
         pool = self.kv_cache_manager.block_pool

@@ -235,7 +235,9 @@ class ModelRunner:
         rows = [row for request_rows in by_request.values() for row in request_rows]
         if not rows:
             return {}
-        states = {rid: self.generators[rid].get_state() for rid in by_request if rid in self.generators}
+        # A lone request has nothing to isolate and nothing to rewind: no snapshot on that path.
+        states = {} if len(by_request) == 1 else {
+            rid: self.generators[rid].get_state() for rid in by_request if rid in self.generators}
         try:
             return self._sample_rows(logits, requests, rows)
         except Exception as exc:

@@ -53,8 +53,8 @@ class OpenAIServing:
                           truncating: bool = False) -> TokensPrompt:
         """Tokenize `text`. Unless the request truncates its prompt, a text too long to fit max_model_len
         whatever its tokens is refused before it is tokenized."""
-        if not truncating and self.tokenizer.min_num_tokens(text) > self.max_model_len:
-            raise self._too_long(self.tokenizer.min_num_tokens(text), param, at_least=True)
+        if not truncating and (at_least := self.tokenizer.min_num_tokens(text)) > self.max_model_len:
+            raise self._too_long(at_least, param, at_least=True)
         return {"prompt": text, "prompt_token_ids": await self.tokenizer.encode(text, add_special_tokens)}
 
     async def chat_prompt(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
