@@ -52,6 +52,8 @@ class ModelConfig:
     max_logprobs: int  # the most logprobs / prompt_logprobs one request may ask for
     seed: int = 0
     served_model_name: str | None = None
+    quantization: str = "none"  # how weights are stored: see layers/quantization.py
+    gguf_file: str | None = None  # the GGUF file the checkpoint directory was converted from
 
     @property
     def num_layers(self) -> int:

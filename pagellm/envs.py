@@ -18,3 +18,8 @@ def c_kernels_disabled() -> bool:
 def api_key() -> str | None:
     """PAGELLM_API_KEY: the key `pagellm serve` requires (as `Authorization: Bearer ...`) when --api-key is not given."""
     return os.environ.get("PAGELLM_API_KEY") or None
+
+
+def cpu_isa() -> str | None:
+    """PAGELLM_CPU_ISA=scalar makes the packed-weight kernels skip AVX2 (tests run both paths)."""
+    return os.environ.get("PAGELLM_CPU_ISA") or None

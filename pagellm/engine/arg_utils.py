@@ -5,9 +5,14 @@ import argparse
 import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
 
 from pagellm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device,
                             resolve_dtype)
+from pagellm.model_executor.layers.quantization import QUANTIZATION_METHODS
+from pagellm.model_executor.model_loader.gguf_loader import gguf_source
 from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir
 from pagellm.model_executor.models.registry import resolve_architecture
 
@@ -28,12 +33,15 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     served_model_name: str | None = None
     max_logprobs: int = 20
+    quantization: str | None = None  # None: "gguf" for a GGUF model on the CPU in float32, else "none"
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
 
         device = resolve_device(self.device)
         model_dir = resolve_model_dir(self.model)
+        dtype = resolve_dtype(self.dtype, device)
+        gguf_file = gguf_source(model_dir)
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         architecture = resolve_architecture(hf_config)
         max_model_len = self._max_model_len(hf_config)
@@ -44,11 +52,13 @@ class EngineArgs:
             tokenizer=str(self.tokenizer or model_dir),
             hf_config=hf_config,
             architecture=architecture,
-            dtype=resolve_dtype(self.dtype, device),
+            dtype=dtype,
             max_model_len=max_model_len,
             seed=self.seed,
             served_model_name=self.served_model_name or (str(self.model) if self.model else DEFAULT_MODEL_NAME),
             max_logprobs=self.max_logprobs,
+            quantization=self._quantization(device, dtype, gguf_file),
+            gguf_file=str(gguf_file) if gguf_file else None,
         )
         return EngineConfig(
             model_config=model_config,
@@ -57,6 +67,21 @@ class EngineArgs:
                                              self.enable_chunked_prefill),
             device_config=DeviceConfig(device),
         )
+
+    def _quantization(self, device: torch.device, dtype: torch.dtype, gguf_file: Path | None) -> str:
+        kernels_apply = device.type == "cpu" and dtype == torch.float32
+        if self.quantization is None:
+            return "gguf" if gguf_file is not None and kernels_apply else "none"
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got "
+                             f"{self.quantization!r}; fix --quantization.")
+        if self.quantization != "none" and not kernels_apply:
+            raise ValueError(f"--quantization {self.quantization} runs on the CPU in float32 only (device "
+                             f"{device.type}, dtype {str(dtype).removeprefix('torch.')}); use --quantization none.")
+        if self.quantization == "gguf" and gguf_file is None:
+            raise ValueError("--quantization gguf needs a .gguf model file; for a float checkpoint use "
+                             "--quantization int8 or none.")
+        return self.quantization
 
     def _max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -97,6 +122,10 @@ class EngineArgs:
                             default=EngineArgs.enable_chunked_prefill)
         parser.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                             help="the most logprobs / prompt_logprobs (top tokens per position) a request may ask for")
+        parser.add_argument("--quantization", "-q", default=EngineArgs.quantization, choices=QUANTIZATION_METHODS,
+                            help="weight storage: gguf (GGUF blocks kept packed, CPU kernels), int8 (float "
+                                 "checkpoints quantized to Q8_0 blocks), none (float). Default: gguf for a .gguf "
+                                 "model on the CPU, none otherwise")
         return parser
 
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagellm.kernels import cpu as cpu_kernels
+from pagellm.kernels import paged_attention as cpu_kernels
 from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, PrefillChunk
 
 

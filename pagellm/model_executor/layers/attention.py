@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import cpu as cpu_kernels
+from pagellm.kernels import paged_attention as cpu_kernels
 
 
 @dataclass

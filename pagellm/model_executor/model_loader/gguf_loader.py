@@ -1,10 +1,10 @@
 """GGUF -> Hugging Face checkpoint conversion.
 
 Owns turning a Llama-architecture GGUF file into a cached HF-style directory (config.json,
-model.safetensors, tokenizer files, generation_config.json) that the rest of pagellm loads like
-any other checkpoint: dequantization via the ``gguf`` package, llama.cpp's tensor renaming and
-Q/K row permutation undone, rope scaling recovered from the metadata, and an atomic on-disk cache
-keyed by the file's identity.
+model.safetensors, tokenizer files, generation_config.json, and gguf_source.json naming the file) that
+the rest of pagellm loads like any other checkpoint: dequantization via the ``gguf`` package, llama.cpp's
+tensor renaming and Q/K row permutation undone, rope scaling recovered from the metadata, and an atomic
+on-disk cache keyed by the file's identity. `gguf_weights` reads the same tensors packed, for the CPU kernels.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from pagellm import envs
 from safetensors.torch import save_file
 
 # Bump whenever the output layout changes, so stale cache entries are never reused.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 SUPPORTED_ARCHITECTURES = ("llama",)
+# Names the GGUF file a converted directory came from, so its weights can be loaded packed from the file itself.
+GGUF_SOURCE_FILE = "gguf_source.json"
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -49,7 +51,7 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 # llama3-style rope is stored by llama.cpp as per-frequency divisors; it becomes config.rope_scaling.
-_ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -111,6 +113,16 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     _write_json(out_dir / "generation_config.json", generation)
     _save_tokenizer(path, out_dir, _meta(reader, "tokenizer.chat_template"))
+    _write_json(out_dir / GGUF_SOURCE_FILE, {"path": str(path)})
+
+
+def gguf_source(model_dir: str | os.PathLike) -> pathlib.Path | None:
+    """The GGUF file a converted checkpoint directory was made from, if it still exists."""
+    marker = pathlib.Path(model_dir) / GGUF_SOURCE_FILE
+    if not marker.is_file():
+        return None
+    path = pathlib.Path(json.loads(marker.read_text(encoding="utf-8"))["path"])
+    return path if path.is_file() else None
 
 
 def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -167,7 +179,7 @@ def _rope_scaling(
     kind = key("rope.scaling.type")
     factor = key("rope.scaling.factor") or key("rope.scale_linear")
     orig_ctx = key("rope.scaling.original_context_length")
-    if kind == "linear" or (kind is None and factor and _ROPE_FREQS not in tensors):
+    if kind == "linear" or (kind is None and factor and ROPE_FREQS not in tensors):
         return {"rope_type": "linear", "factor": float(factor)} if factor and factor != 1.0 else None
     if kind == "yarn":
         scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
@@ -179,9 +191,9 @@ def _rope_scaling(
         return scaling
     if kind not in (None, "none"):
         raise ValueError(f"Unsupported GGUF rope scaling type {kind!r}")
-    if _ROPE_FREQS not in tensors:
+    if ROPE_FREQS not in tensors:
         return None
-    divisors = np.asarray(_dequantize(tensors[_ROPE_FREQS]).float().numpy(), dtype=np.float64)
+    divisors = np.asarray(dequantize_tensor(tensors[ROPE_FREQS]).float().numpy(), dtype=np.float64)
     return _llama3_scaling(divisors, config["rope_theta"], config["head_dim"], int(orig_ctx or 8192))
 
 
@@ -220,7 +232,7 @@ def _llama3_divisors(inv_freq: np.ndarray, s: dict[str, Any]) -> np.ndarray:
     return 1 / scale
 
 
-def _dequantize(tensor: Any) -> torch.Tensor:
+def dequantize_tensor(tensor: Any) -> torch.Tensor:
     """One GGUF tensor as a torch tensor in HF (row-major, reversed GGUF) shape."""
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     qtype = tensor.tensor_type
@@ -236,14 +248,14 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def _unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of convert_hf_to_gguf's rotary permute: per head, interleaved (x0,y0,x1,y1..) -> halves."""
     rest = weight.shape[1:]
     return (weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *rest)
             .transpose(1, 2).reshape(weight.shape).contiguous())
 
 
-def _hf_name(name: str) -> str:
+def hf_tensor_name(name: str) -> str:
     if m := _LAYER_RE.match(name):
         layer, stem, kind = m.groups()
         if stem in _LAYER_TENSORS:
@@ -256,14 +268,14 @@ def _hf_name(name: str) -> str:
 def _build_state_dict(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, torch.Tensor]:
     state_dict: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if name == _ROPE_FREQS:
+        if name == ROPE_FREQS:
             continue
-        weight = _dequantize(tensor)
+        weight = dequantize_tensor(tensor)
         if ".attn_q." in name:
-            weight = _unpermute(weight, config["num_attention_heads"])
+            weight = unpermute_rows(weight, config["num_attention_heads"])
         elif ".attn_k." in name:
-            weight = _unpermute(weight, config["num_key_value_heads"])
-        state_dict[_hf_name(name)] = weight
+            weight = unpermute_rows(weight, config["num_key_value_heads"])
+        state_dict[hf_tensor_name(name)] = weight
     return state_dict
 
 

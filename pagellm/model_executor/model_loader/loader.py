@@ -1,4 +1,4 @@
-"""Build a model on its device and fill it from a checkpoint directory's safetensors files."""
+"""Build a model on its device and fill it from a checkpoint directory's safetensors files or its GGUF file."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagellm.config import ModelConfig
+from pagellm.model_executor.model_loader.gguf_weights import iterate_gguf_weights
 from pagellm.model_executor.models.registry import get_model_class
 
 
@@ -70,6 +71,8 @@ def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """The model on `device`, its weights from the safetensors files, or packed from the GGUF file when
+    `model_config.quantization` is "gguf"."""
     model_class = get_model_class(model_config.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
@@ -78,5 +81,9 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_class(model_config.hf_config, max_position=model_config.max_model_len)
     finally:
         torch.set_default_dtype(default_dtype)
-    model.load_weights(iterate_weights(model_config.model))
+    if model_config.quantization == "gguf":
+        weights = iterate_gguf_weights(model_config.gguf_file, model_config.hf_config)
+    else:
+        weights = iterate_weights(model_config.model)
+    model.load_weights(weights, model_config.quantization)
     return model.eval().requires_grad_(False)

@@ -10,7 +10,8 @@ from torch import nn
 from pagellm.model_executor.layers.activation import SiluAndMul
 from pagellm.model_executor.layers.attention import Attention, AttentionMetadata
 from pagellm.model_executor.layers.layernorm import RMSNorm
-from pagellm.model_executor.layers.linear import Linear, MergedLinear
+from pagellm.model_executor.layers.linear import Linear, MergedLinear, VocabEmbedding
+from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -78,8 +79,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
-            config.vocab_size, config.hidden_size))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin cache shared by every layer.
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)
@@ -98,11 +98,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return head.matmul(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters; returns the names loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedTensor]],
+                     quantization: str = "none") -> set[str]:
+        """Store checkpoint tensors (Hugging Face names) in the parameters, matrices through their layer's
+        `load_weight` (which may keep them packed, see `quantization`); returns the names loaded."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -112,19 +114,28 @@ class LlamaForCausalLM(nn.Module):
             fragment = next((f for f in self.stacked_params if f".{f}." in name), None)
             if fragment is not None:
                 fused, shard = self.stacked_params[fragment]
-                target = name.replace(f".{fragment}.", f".{fused}.")
-                module = self.get_submodule(target.rsplit(".", 2)[0] + "." + fused)
-                module.load_shard(params[target], tensor, shard)
-                loaded.add(target)
-                continue
+                name = name.replace(f".{fragment}.", f".{fused}.")
+            module_name, _, kind = name.rpartition(".")
             if name not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}.")
-            params[name].data.copy_(tensor)
+            module = self.get_submodule(module_name)
+            try:
+                if fragment is not None and kind == "weight":
+                    module.load_shard(tensor, shard, quantization)
+                elif fragment is not None:
+                    module.load_bias_shard(tensor, shard)
+                elif kind == "weight" and isinstance(module, Linear):
+                    module.load_weight(tensor, quantization)
+                elif params[name].shape != tensor.shape:
+                    raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}.")
+                else:
+                    params[name].data.copy_(tensor)
+            except ValueError as exc:
+                raise ValueError(f"Checkpoint tensor {name!r}: {exc}") from exc
             loaded.add(name)
         missing = set(params) - loaded
+        missing |= {f"{module_name}.weight (some of its shards)" for module_name, module in self.named_modules()
+                    if isinstance(module, MergedLinear) and module.has_pending_shards}
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {sorted(missing)[:8]}")
         return loaded

@@ -1,0 +1,89 @@
+"""y = x W^T on the CPU with W kept packed in its GGUF storage type: the C kernel (`linear_cpu.c`, built on first
+use by `kernels.build`) and its Python callers. Also dequantizes whole matrices or selected rows (embeddings).
+
+Packed weights are uint8 tensors [rows, bytes per row], each row a run of ggml blocks, exactly as in the file.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from pagellm import envs
+from pagellm.kernels.build import load_library
+
+_SOURCE = Path(__file__).with_name("linear_cpu.c")
+# No -march=native: the AVX2 functions carry their own target attribute and are chosen at run time, so the
+# scalar path stays a true fallback. -ffp-contract=off keeps ggml's two roundings in `d * q + m`.
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+T = GGMLQuantizationType
+# Storage types the kernel multiplies with directly.
+SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    library = load_library(_SOURCE, _FLAGS, "packed-weight linear layers")
+    if library is not None:
+        library.pagellm_linear.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT]
+        library.pagellm_dequantize_rows.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _INT]
+        library.pagellm_linear.restype = library.pagellm_dequantize_rows.restype = ctypes.c_int
+    return library
+
+
+def available() -> bool:
+    return load() is not None
+
+
+@cache
+def use_avx2() -> bool:
+    """AVX2+FMA+F16C when the CPU has them, unless PAGELLM_CPU_ISA=scalar asks for the portable path."""
+    return envs.cpu_isa() != "scalar" and bool(load().pagellm_cpu_has_avx2())
+
+
+def row_bytes(qtype: int, columns: int) -> int:
+    block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if columns % block_elems:
+        raise ValueError(f"{GGMLQuantizationType(qtype).name} rows hold a multiple of {block_elems} values, "
+                         f"got {columns}.")
+    return columns // block_elems * block_bytes
+
+
+def _check(status: int, what: str) -> None:
+    if status == -2:
+        raise MemoryError(f"{what}: could not allocate a tile buffer")
+    if status != 0:
+        raise ValueError(f"{what}: unsupported weight type or shape")
+
+
+def linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """x [..., in_features] float32 times the packed weight [out_features, row bytes] transposed."""
+    library = load()
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], qweight.shape[0], dtype=torch.float32)
+    _check(library.pagellm_linear(int(qtype), x2.data_ptr(), x2.shape[0], in_features, x2.stride(0),
+                                  qweight.data_ptr(), qweight.shape[1], qweight.shape[0], out.data_ptr(),
+                                  out.stride(0), torch.get_num_threads(), use_avx2()), "linear")
+    return out.view(*x.shape[:-1], qweight.shape[0])
+
+
+def dequantize_rows(qweight: torch.Tensor, qtype: int, ids: torch.Tensor, columns: int) -> torch.Tensor:
+    """Rows `ids` of the packed matrix as float32 [*ids.shape, columns] (an embedding lookup)."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.shape[0], columns, dtype=torch.float32)
+    _check(load().pagellm_dequantize_rows(int(qtype), qweight.data_ptr(), qweight.shape[1], flat.data_ptr(),
+                                          flat.shape[0], columns, out.data_ptr(), torch.get_num_threads(),
+                                          use_avx2()), "dequantize")
+    return out.view(*ids.shape, columns)
+
+
+def dequantize(qweight: torch.Tensor, qtype: int, columns: int) -> torch.Tensor:
+    """The whole packed matrix as float32 [rows, columns]."""
+    return dequantize_rows(qweight, qtype, torch.arange(qweight.shape[0]), columns)

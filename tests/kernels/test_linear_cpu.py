@@ -1,0 +1,106 @@
+"""The packed-weight C kernel (kernels/linear_cpu.c) against NumPy: the gguf package's own dequantizer and a
+float64 matmul. Every storage type, both instruction paths (AVX2 and the portable scalar fallback), decode-sized
+and larger batches, odd shapes and strided activations."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from pagellm.kernels import linear as kernels
+
+TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def isa(request, monkeypatch):
+    assert kernels.available(), "the C kernel must build on the test machine (gcc is required)"
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "" if request.param == "avx2" else "scalar")
+    kernels.use_avx2.cache_clear()
+    if request.param == "avx2" and not kernels.use_avx2():
+        pytest.skip("this CPU has no AVX2+FMA+F16C")
+    yield request.param
+    kernels.use_avx2.cache_clear()
+
+
+def encode(weight: np.ndarray, qtype: QT) -> np.ndarray:
+    """The matrix as the bytes GGUF would store, [rows, bytes per row]."""
+    if qtype == QT.F32:
+        stored = weight
+    elif qtype == QT.F16:
+        stored = weight.astype(np.float16)
+    elif qtype == QT.BF16:
+        stored = (weight.view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        stored = gguf.quants.quantize(weight, qtype)
+    return np.ascontiguousarray(stored).view(np.uint8).reshape(weight.shape[0], -1)
+
+
+def reference(x: np.ndarray, packed: np.ndarray, qtype: QT, columns: int) -> tuple[np.ndarray, np.ndarray]:
+    dequantized = gguf.quants.dequantize(packed, qtype).reshape(packed.shape[0], columns).astype(np.float32)
+    return x.astype(np.float64) @ dequantized.astype(np.float64).T, dequantized
+
+
+def assert_matmul_close(got: np.ndarray, x: np.ndarray, dequantized: np.ndarray, want: np.ndarray) -> None:
+    # float32 accumulation in another order: the error is bounded by the magnitude of the products summed.
+    bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(dequantized).astype(np.float64).T) + 1e-6
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 37, 96), (2, 5, 32), (3, 64, 160), (4, 1, 64),
+                                                             (5, 19, 96), (17, 33, 128)])
+def test_linear_matches_numpy(isa, qtype, rows, out_features, in_features):
+    rng = np.random.default_rng(rows * 1000 + out_features)
+    packed = encode(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    want, dequantized = reference(x, packed, qtype, in_features)
+    got = kernels.linear(torch.from_numpy(x), torch.from_numpy(packed), qtype, in_features).numpy()
+    assert got.shape == (rows, out_features)
+    assert_matmul_close(got, x, dequantized, want)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_rows_is_exact(isa, qtype):
+    """Bit-identical to ggml's definition: same float32 operations, same rounding."""
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((23, 96)).astype(np.float32) * rng.uniform(0.01, 10, size=(23, 1)).astype(np.float32)
+    packed = encode(weight, qtype)
+    _, dequantized = reference(np.zeros((1, 96), np.float32), packed, qtype, 96)
+    ids = torch.tensor([[5, 0], [22, 5]])
+    got = kernels.dequantize_rows(torch.from_numpy(packed), qtype, ids, 96)
+    assert got.shape == (2, 2, 96)
+    np.testing.assert_array_equal(got.numpy(), dequantized[ids.numpy()])
+    np.testing.assert_array_equal(kernels.dequantize(torch.from_numpy(packed), qtype, 96).numpy(), dequantized)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_float32_odd_width_and_strided_activations(isa, rows):
+    """Float32 rows of any width (no 32-wide blocks), and activations that are a column slice of a wider tensor."""
+    rng = np.random.default_rng(rows)
+    weight = rng.standard_normal((11, 45)).astype(np.float32)
+    wide = torch.from_numpy(rng.standard_normal((rows, 60)).astype(np.float32))
+    x = wide[:, :45]
+    assert rows == 1 or not x.is_contiguous()  # (one row is contiguous whatever its stride)
+    got = kernels.linear(x, torch.from_numpy(weight).view(torch.uint8), QT.F32, 45).numpy()
+    assert_matmul_close(got, x.numpy(), weight, x.numpy().astype(np.float64) @ weight.astype(np.float64).T)
+
+
+def test_quantized_types_extreme_scales(isa):
+    """Subnormal, zero and large float16 scales decode like NumPy's float16."""
+    rng = np.random.default_rng(3)
+    packed = encode(rng.standard_normal((4, 64)).astype(np.float32), QT.Q4_1)
+    blocks = packed.reshape(-1, 20).copy()
+    scales = np.array([6e-8, 0.0, 6.0e4, -1.5e-5, 3.0, 1e-7, -2.0, 0.5], dtype=np.float16)
+    blocks[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
+    packed = blocks.reshape(4, -1)
+    _, dequantized = reference(np.zeros((1, 64), np.float32), packed, QT.Q4_1, 64)
+    np.testing.assert_array_equal(kernels.dequantize(torch.from_numpy(packed), QT.Q4_1, 64).numpy(), dequantized)
+
+
+def test_row_width_must_be_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.row_bytes(QT.Q4_0, 48)
+    assert kernels.row_bytes(QT.Q4_1, 576) == 18 * 20
