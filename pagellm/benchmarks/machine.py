@@ -1,4 +1,5 @@
-"""The machine's own limits, for benchmark ratios: measured matmul peak and the useful FLOPs of a workload."""
+"""The machine's own limits, for benchmark ratios: measured matmul peak and memory bandwidth, and the useful FLOPs of a
+workload."""
 from __future__ import annotations
 
 import time
@@ -20,6 +21,17 @@ def peak_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 1024
         if device.type == "cuda":
             torch.cuda.synchronize()
         best = max(best, 4 * 2 * size ** 3 / (time.perf_counter() - start))
+    return best
+
+
+def memory_bandwidth(num_bytes: int = 512 * 2**20, seconds: float = 1.0) -> float:
+    """Best sustained read bandwidth in bytes/s: summing a float32 tensor far larger than the caches."""
+    data = torch.ones(num_bytes // 4)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        data.sum()
+        best = max(best, num_bytes / (time.perf_counter() - start))
     return best
 
 

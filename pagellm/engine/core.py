@@ -6,6 +6,8 @@ on once the block accounting checks out. Only repeated whole-step failures, or a
 up, raise out of `step()` (the engine is then dead)."""
 from __future__ import annotations
 
+import time
+
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -15,6 +17,7 @@ from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.executor.uniproc_executor import UniProcExecutor
 from pagellm.logger import init_logger
+from pagellm.metrics.stats import StepTimings
 from pagellm.worker.cache_engine import kv_bytes_per_block
 from pagellm.worker.worker import GiB
 
@@ -33,6 +36,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self._consecutive_failed_steps = 0
+        self.step_timings = StepTimings()
 
     def _log_cache(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -58,7 +62,9 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """One scheduling step; returns what is new for every sequence that got a token, and finished beam
         searches."""
+        start = time.perf_counter()
         output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         if output.is_empty and self.scheduler.has_unfinished_requests():
             # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
             raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
@@ -68,6 +74,7 @@ class EngineCore:
             self._recover_from_failed_step(output, exc)
             return EngineCoreOutputs(failed=self.scheduler.take_failed_groups())
         self._consecutive_failed_steps = 0
+        executed = time.perf_counter()
         updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
                                                        result.prompt_logprobs, result.failed)
         outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],
@@ -76,6 +83,9 @@ class EngineCore:
             self.scheduler.check_consistency()
         for group in self.scheduler.take_finished_beam_groups():
             outputs.finished_beam_searches[group.request_id] = group.result()
+        self.step_timings.num_steps += 1
+        self.step_timings.add({"schedule": scheduled - start, "update": time.perf_counter() - executed,
+                               **result.phase_seconds})
         return outputs
 
     def _recover_from_failed_step(self, output: SchedulerOutput, exc: Exception) -> None:

@@ -1,6 +1,8 @@
 """LLMEngine: the synchronous engine behind the offline `LLM` API (input processing, EngineCore, outputs)."""
 from __future__ import annotations
 
+import time
+
 from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
@@ -68,7 +70,9 @@ class LLMEngine:
         tokens were generated. When requests failed inside the engine, they are freed and RequestFailedError is
         raised instead, holding the step's other outputs."""
         core_outputs = self.engine_core.step()
+        start = time.perf_counter()
         processed = self.output_processor.process_outputs(core_outputs.outputs, delta=delta)
+        self.engine_core.step_timings.add({"output_processing": time.perf_counter() - start})
         if processed.stopped:
             # A stop string ended these: finish them in the core now so their KV blocks go back to the pool.
             self.engine_core.finish_requests(list(processed.stopped), RequestStatus.FINISHED_STOPPED,

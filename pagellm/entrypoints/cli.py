@@ -1,4 +1,4 @@
-"""The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), `bench throughput`,
+"""The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), `bench throughput`, `bench latency`,
 `bench serve`, `bench soak`, `bench sharing`."""
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _bench_throughput(args: argparse.Namespace) -> int:
     from pagellm.benchmarks.throughput import run
+
+    run(args)
+    return 0
+
+
+def _bench_latency(args: argparse.Namespace) -> int:
+    from pagellm.benchmarks.latency import run
 
     run(args)
     return 0
@@ -94,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(throughput)
     EngineArgs.add_cli_args(throughput)
     throughput.set_defaults(handler=_bench_throughput)
+    latency = bench.add_parser("latency", help="prefill and decode tok/s at fixed batch sizes, beside transformers "
+                                               "and llama.cpp")
+    from pagellm.benchmarks.latency import add_cli_args as add_latency_args
+
+    add_latency_args(latency)
+    EngineArgs.add_cli_args(latency)
+    latency.set_defaults(handler=_bench_latency)
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
     from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
 

@@ -32,7 +32,9 @@ def load() -> ctypes.CDLL | None:
     if library is not None:
         library.pagellm_linear.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT]
         library.pagellm_dequantize_rows.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _INT]
+        library.pagellm_matmul.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _INT]
         library.pagellm_linear.restype = library.pagellm_dequantize_rows.restype = ctypes.c_int
+        library.pagellm_matmul.restype = ctypes.c_int
     return library
 
 
@@ -59,6 +61,40 @@ def _check(status: int, what: str) -> None:
         raise MemoryError(f"{what}: could not allocate a tile buffer")
     if status != 0:
         raise ValueError(f"{what}: unsupported weight type or shape")
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int32), ("use_avx2", ctypes.c_int32), ("w", _PTR), ("row_bytes", _I64),
+                ("n", _I64), ("k", _I64)]
+
+
+class PackedMatmul:
+    """x -> x W^T for one packed weight, described to the kernel once so each call passes six arguments; the
+    decode step calls it about a hundred times, so its Python cost is kept to a few microseconds."""
+
+    __slots__ = ("weight", "in_features", "out_features", "_matrix", "_pointer", "_run")
+
+    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int) -> None:
+        if qweight.shape[1] != row_bytes(qtype, in_features):
+            raise ValueError(f"packed rows of {qweight.shape[1]} bytes do not hold {in_features} "
+                             f"{GGMLQuantizationType(qtype).name} values")
+        self.weight = qweight  # keeps the memory the kernel reads alive
+        self.in_features, self.out_features = in_features, qweight.shape[0]
+        self._matrix = _Matrix(int(qtype), int(use_avx2()), qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
+                               in_features)
+        self._pointer = ctypes.addressof(self._matrix)
+        self._run = load().pagellm_matmul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        status = self._run(self._pointer, x2.data_ptr(), x2.shape[0], x2.stride(0), out.data_ptr(),
+                           torch.get_num_threads())
+        if status:
+            _check(status, "matmul")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:

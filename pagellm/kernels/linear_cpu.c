@@ -448,3 +448,15 @@ int pagellm_linear(int type, const float *x, int64_t m, int64_t k, int64_t ldx, 
     }
     return status;
 }
+
+/* The same product for a weight described once (the per-call argument list stays short: this is called ~100
+ * times per decode step from Python, where every argument costs). out is [m, n], contiguous. */
+typedef struct {
+    int32_t type, use_avx2;
+    const uint8_t *w;
+    int64_t row_bytes, n, k;
+} pagellm_matrix;
+
+int pagellm_matmul(const pagellm_matrix *w, const float *x, int64_t m, int64_t ldx, float *out, int nthreads) {
+    return pagellm_linear(w->type, x, m, w->k, ldx, w->w, w->row_bytes, w->n, out, w->n, nthreads, w->use_avx2);
+}

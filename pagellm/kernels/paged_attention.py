@@ -26,7 +26,21 @@ def load() -> ctypes.CDLL | None:
         function = library.paged_decode_attention_f32
         function.argtypes = [_PTR] * 6 + [_I64] * 8 + [_F32]
         function.restype = ctypes.c_int
+        library.reshape_and_cache_f32.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+        library.reshape_and_cache_f32.restype = None
     return library
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """key, value [T, Hkv, D] float32 with contiguous head rows (any token stride); caches [Hkv, num_blocks,
+    block_size, D]; slot_mapping [T] int64."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert key.stride()[1:] == (head_dim, 1) and value.stride()[1:] == (head_dim, 1)
+    load().reshape_and_cache_f32(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+                                 slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
+                                 key_cache.shape[1] * key_cache.shape[2], key_cache.data_ptr(),
+                                 value_cache.data_ptr())
 
 
 @cache

@@ -94,3 +94,18 @@ int paged_decode_attention_f32(const float *query,      /* [B, H, D] */
     free(scores);
     return 0;
 }
+
+/* Write each token's key and value into its cache slot (vLLM's reshape_and_cache). Token t, head h of k starts at
+ * k + t * k_stride + h * head_dim (likewise v), so views of the fused QKV output need no copy. Caches are
+ * [kv_heads, num_slots, head_dim]; slots[t] = block * block_size + offset. */
+void reshape_and_cache_f32(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+                           int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                           float *key_cache, float *value_cache) {
+    const size_t row = (size_t)head_dim * sizeof(float);
+    for (int64_t t = 0; t < num_tokens; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t dst = (h * num_slots + slots[t]) * head_dim;
+            memcpy(key_cache + dst, k + t * k_stride + h * head_dim, row);
+            memcpy(value_cache + dst, v + t * v_stride + h * head_dim, row);
+        }
+}

@@ -10,6 +10,7 @@ tokens the batch would have given them) to find the one that breaks it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     # request id -> why its part of the step failed (it gets no results; the engine fails it alone).
     failed: dict[str, str] = field(default_factory=dict)
+    # seconds spent in prepare_inputs, forward (model, logits, prompt logprobs) and sample
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +70,13 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
+        logger.info("Model weights: %.1f MB (quantization: %s).", self.weight_bytes() / 1e6,
+                    self.model_config.quantization)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weight matrices as stored (packed or float): what one decode step streams from memory."""
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        return sum(t.nbytes for name, t in tensors if t.dim() == 2 and "rotary_emb" not in name)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
@@ -205,13 +215,17 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if output.is_empty:
             return ModelRunnerOutput({})
+        start = time.perf_counter()
         inputs = self.prepare_inputs(output)
+        prepared = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         failed: dict[str, str] = {}
         prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs, failed) if inputs.prompt_logprobs else {}
         if not inputs.sampled:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed)
+            phases = {"prepare_inputs": prepared - start, "forward": time.perf_counter() - prepared}
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed, phase_seconds=phases)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        computed = time.perf_counter()
         rows = self._sample(logits, inputs.sampled, failed)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[LogprobsEntry]] = {}
@@ -221,7 +235,9 @@ class ModelRunner:
             sampled.setdefault(request_id, []).append(token)
             if entry is not None:
                 logprobs.setdefault(request_id, []).append(entry)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, failed)
+        phases = {"prepare_inputs": prepared - start, "forward": computed - prepared,
+                  "sample": time.perf_counter() - computed}
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, failed, phases)
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                 failed: dict[str, str]) -> dict[int, tuple[int, LogprobsEntry | None]]:

@@ -43,6 +43,9 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
+    def weight_bytes(self) -> int:
+        return self.model_runner.weight_bytes()
+
     def determine_kv_cache_bytes(self) -> int:
         cache_config = self.config.cache_config
         if cache_config.kv_cache_memory_bytes is not None:

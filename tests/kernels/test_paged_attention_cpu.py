@@ -57,7 +57,7 @@ def test_decode_matches_reference(decode_backend, heads, kv_heads, head_dim, blo
     mask = (torch.arange(max_blocks * block_size)[None, :] < lens[:, None])[None, :, None, :]
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(seq_lens), block_tables, lens, mask, [])
     attn = Attention(heads, kv_heads, head_dim)
-    out = attn._decode(q, cache[0], cache[1], meta)
+    out = attn._decode(q, cache[0], cache[1], meta, cpu_kernels.load() is not None)
     for i, (k, v) in enumerate(contiguous):
         expected = reference_attention(q[i:i + 1], k, v, attn.scale)
         torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
@@ -75,7 +75,7 @@ def test_decode_ignores_garbage_in_padding(decode_backend):
     mask = (torch.arange(3 * 8)[None, :] < lens[:, None])[None, :, None, :]
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 2, block_tables, lens, mask, [])
     attn = Attention(4, 2, 16)
-    out = attn._decode(q, cache[0], cache[1], meta)
+    out = attn._decode(q, cache[0], cache[1], meta, cpu_kernels.load() is not None)
     for i, (k, v) in enumerate(contiguous):
         torch.testing.assert_close(out[i:i + 1], reference_attention(q[i:i + 1], k, v, attn.scale),
                                    rtol=1e-5, atol=1e-5)

@@ -51,21 +51,27 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]. Returns [T, H * D]."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-
+        use_c_kernels = q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels.load() is not None
+        if use_c_kernels and k.stride(-1) == 1 and v.stride(-1) == 1:
+            cpu_kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        else:
+            key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping,
+                                                                               v.transpose(0, 1))
+        if not meta.prefills:  # all decodes: the batched call's output is the whole output
+            return self._decode(q, key_cache, value_cache, meta, use_c_kernels).view(q.shape[0], -1)
         out = torch.empty_like(q)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = self._decode(q[:n], key_cache, value_cache, meta)
+            out[:n] = self._decode(q[:n], key_cache, value_cache, meta, use_c_kernels)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
-    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        if q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels.load() is not None:
+    def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                use_c_kernel: bool) -> torch.Tensor:
+        if use_c_kernel:
             # Reads the cache in place: no gathered copy of every sequence's K/V per layer.
             return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
                                                       meta.decode_seq_lens, self.scale)

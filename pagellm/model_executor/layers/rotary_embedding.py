@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.kernels import elementwise
+
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -35,21 +37,39 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotation tables for every position; `tables(positions)` once per forward, then `forward` in each layer."""
+
     def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
         super().__init__()
         inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        # Full-width rows, sine signed for rotate-half: x * cos + rotate_half(x) * sin is one cat and two products.
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]; positions: [T]."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(positions, cos, sin), cos and sin [T, 1, head_dim]: gathered once per forward pass for every layer,
+        or None when the C kernel applies (it reads the full tables by position)."""
+        if elementwise.applies(self.cos_cache):
+            return positions, None, None
+        return positions, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+    def forward(self, tables: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None], q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]. The C path rotates them in place."""
+        positions, cos, sin = tables
+        if cos is None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            elementwise.rope_(q, positions, self.cos_cache, self.sin_cache)
+            elementwise.rope_(k, positions, self.cos_cache, self.sin_cache)
+            return q, k
+        if cos is None:
+            cos, sin = self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dtype = x.dtype
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin).to(dtype)

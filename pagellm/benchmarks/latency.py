@@ -1,0 +1,203 @@
+"""`pagellm bench latency`: prefill and decode speed at fixed batch sizes, beside transformers and llama.cpp.
+
+Every backend runs the same random-token prompts in this process on the same threads. Prefill tok/s is
+batch x input_len over the time to the first token; decode tok/s is batch x output_len over the time of the
+remaining steps (generation of 1 + output_len tokens minus generation of 1). llama.cpp runs through the
+`llama-cpp-python` binding on the GGUF file itself (one sequence, as `llama-bench`: fixed tokens fed back, no
+sampling), and at float32 on an F32 GGUF written here with the `gguf` package from the same weights.
+Each figure is also printed against the machine's own limits, measured here: the memory bandwidth bounds
+decode (every weight byte is read once per step) and the matmul peak bounds prefill.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagellm.benchmarks.machine import memory_bandwidth, model_flops, peak_matmul_flops
+
+BACKENDS = ("pagellm", "hf", "llama.cpp", "llama.cpp-f32")
+
+
+@dataclass
+class LatencyResult:
+    backend: str
+    batch_size: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    weight_bytes: int  # bytes streamed per decode step (the weights, as that backend stores them)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=lambda s: [int(b) for b in s.split(",")], default=[1],
+                        help="comma-separated batch sizes (llama.cpp runs batch 1 only)")
+    parser.add_argument("--backends", type=lambda s: s.split(","), default=["pagellm"],
+                        help=f"comma-separated, from {', '.join(BACKENDS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
+    parser.add_argument("--step-split", action="store_true",
+                        help="print where pagellm's decode step time goes (schedule, inputs, forward, sample, ...)")
+
+
+def _best_of(repeats: int, run: Callable[[int], float], output_len: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds), each the best of `repeats`: run(n) generates n tokens."""
+    prefill = min(run(1) for _ in range(repeats))
+    total = min(run(1 + output_len) for _ in range(repeats))
+    return prefill, max(total - prefill, 1e-9)
+
+
+def bench_pagellm(llm, prompts: list[list[int]], output_len: int, repeats: int, step_split: bool) -> LatencyResult:
+    from pagellm import SamplingParams
+
+    requests = [{"prompt_token_ids": p} for p in prompts]
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(requests, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up: kernels built, caches touched
+    prefill, decode = _best_of(repeats, run, output_len)
+    if step_split:
+        timings = llm.llm_engine.engine_core.step_timings
+        run(1)
+        timings.reset()
+        run(1 + output_len)
+        print(f"  pagellm step split, batch {len(prompts)} (prefill step included): {timings.report()}")
+    weight_bytes = llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0]
+    return _result("pagellm", prompts, output_len, prefill, decode, weight_bytes)
+
+
+def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> LatencyResult:
+    input_ids = torch.tensor(prompts)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                           max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        return time.perf_counter() - start
+
+    run(2)
+    prefill, decode = _best_of(repeats, run, output_len)
+    weight_bytes = sum(p.nbytes for p in model.parameters() if p.dim() == 2)
+    return _result("transformers", prompts, output_len, prefill, decode, weight_bytes)
+
+
+def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: int, repeats: int) -> LatencyResult:
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:
+        raise SystemExit("The llama.cpp backend needs the `llama-cpp-python` package (it builds llama.cpp from "
+                         "source, ~15-20 min on 2 cores): pip install 'pagellm[llamacpp]'.") from exc
+    llm = Llama(model_path=str(gguf_path), n_ctx=len(prompt) + output_len + 8, n_batch=512,
+                n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False)
+
+    def run(n: int) -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        for i in range(n - 1):
+            llm.eval([prompt[i % len(prompt)]])
+        return time.perf_counter() - start
+
+    run(2)
+    prefill, decode = _best_of(repeats, run, output_len)
+    import gguf
+
+    weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2)
+    return _result(name, [prompt], output_len, prefill, decode, weight_bytes)
+
+
+def _result(backend: str, prompts: list[list[int]], output_len: int, prefill: float, decode: float,
+            weight_bytes: int) -> LatencyResult:
+    batch = len(prompts)
+    return LatencyResult(backend, batch, batch * len(prompts[0]) / prefill, batch * output_len / decode,
+                         weight_bytes)
+
+
+def write_f32_gguf(source: Path, target: Path) -> Path:
+    """The same model with every tensor dequantized to float32 (as `llama-quantize ... F32`), via `gguf`."""
+    import gguf
+
+    if target.is_file():
+        return target
+    reader = gguf.GGUFReader(source)
+    arch = reader.get_field("general.architecture").contents()
+    writer = gguf.GGUFWriter(str(target), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # written by the writer itself
+        value = field.contents()
+        if field.name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        writer.add_tensor(tensor.name, np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagellm import LLM
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.envs import cache_root
+
+    unknown = set(args.backends) - set(BACKENDS)
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from {', '.join(BACKENDS)}")
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    model_config = llm.llm_engine.config.model_config
+    device = llm.llm_engine.config.device_config.device
+    rng = random.Random(0)
+    bandwidth = memory_bandwidth()
+    peak = peak_matmul_flops(torch.float32, device)
+    print(f"{model_config.served_model_name}: input {args.input_len}, output {args.output_len} tokens, "
+          f"{torch.get_num_threads()} threads, {device}; quantization {model_config.quantization}. "
+          f"Machine: {bandwidth / 1e9:.1f} GB/s memory read, {peak / 1e9:.0f} GFLOP/s float32 matmul peak.")
+    results: list[LatencyResult] = []
+    for batch in args.batch_size:
+        prompts = [[rng.randrange(256, model_config.vocab_size) for _ in range(args.input_len)]
+                   for _ in range(batch)]
+        if "pagellm" in args.backends:
+            results.append(bench_pagellm(llm, prompts, args.output_len, args.repeats, args.step_split))
+        if "hf" in args.backends:
+            from pagellm.benchmarks.throughput import load_hf_model
+
+            results.append(bench_hf(load_hf_model(model_config.model, model_config.dtype, device), prompts,
+                                    args.output_len, args.repeats))
+        if batch == 1 and model_config.gguf_file:
+            source = Path(model_config.gguf_file)
+            if "llama.cpp" in args.backends:
+                results.append(bench_llama_cpp("llama.cpp", source, prompts[0], args.output_len, args.repeats))
+            if "llama.cpp-f32" in args.backends:
+                f32 = write_f32_gguf(source, cache_root() / "gguf" / f"{source.stem}.F32.gguf")
+                results.append(bench_llama_cpp("llama.cpp F32", f32, prompts[0], args.output_len, args.repeats))
+    flops_per_token = model_flops(model_config.hf_config, args.input_len, 1) / args.input_len
+    print(f"\n{'backend':>16} {'batch':>5} {'prefill tok/s':>14} {'% of peak':>9} {'decode tok/s':>13} "
+          f"{'weights MB':>10} {'% of bandwidth':>14}")
+    for r in results:
+        decode_limit = r.batch_size * bandwidth / r.weight_bytes
+        print(f"{r.backend:>16} {r.batch_size:>5} {r.prefill_tok_s:>14.1f} "
+              f"{100 * r.prefill_tok_s * flops_per_token / peak:>8.1f}% {r.decode_tok_s:>13.1f} "
+              f"{r.weight_bytes / 1e6:>10.1f} {100 * r.decode_tok_s / decode_limit:>13.1f}%")
+    base = {r.batch_size: r for r in results if r.backend == "pagellm"}
+    for r in results:
+        if r.backend != "pagellm" and r.batch_size in base:
+            ours = base[r.batch_size]
+            print(f"pagellm / {r.backend} at batch {r.batch_size}: prefill {ours.prefill_tok_s / r.prefill_tok_s:.2f}x,"
+                  f" decode {ours.decode_tok_s / r.decode_tok_s:.2f}x")

@@ -1,0 +1,58 @@
+"""RMSNorm, SiLU-and-multiply and RoPE for float32 tensors on the CPU: the C kernels of `elementwise_cpu.c` (built
+on first use by `kernels.build`). One call each instead of several PyTorch operators; the layers use them when
+`available()` and keep their PyTorch path otherwise (CUDA, other dtypes, no compiler)."""
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pagellm.kernels.build import load_library
+
+_SOURCE = Path(__file__).with_name("elementwise_cpu.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+_I64, _INT, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    library = load_library(_SOURCE, _FLAGS, "RMSNorm, SiLU and RoPE")
+    if library is not None:
+        library.rms_norm_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
+        library.silu_and_mul_f32.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
+        library.rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+        for function in (library.rms_norm_f32, library.silu_and_mul_f32, library.rope_f32):
+            function.restype = None
+    return library
+
+
+def applies(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension; with `residual`, first `residual += x` (in place) and normalise
+    the sum. x (and residual) contiguous [..., dim]."""
+    dim = weight.shape[0]
+    out = torch.empty(x.shape, dtype=torch.float32)
+    load().rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                        out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for contiguous x [..., 2d]."""
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=torch.float32)
+    load().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
+    """Rotate x [T, heads, dim] in place (head rows contiguous, any token stride) by full-width tables."""
+    tokens, heads, dim = x.shape
+    assert x.stride()[1:] == (dim, 1) and positions.dtype == torch.int64 and positions.is_contiguous()
+    load().rope_f32(x.data_ptr(), tokens, heads, x.stride(0), dim, positions.data_ptr(), cos_table.data_ptr(),
+                    sin_table.data_ptr())
