@@ -1,15 +1,16 @@
 /* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
  *
- * Arithmetic: every weight is dequantized exactly as ggml (and the gguf package, and so transformers) defines it,
- * in float32 (compiled with -ffp-contract=off, so `d * q + m` is rounded twice as there), and multiplied with
- * float32 activations, accumulating in float32. Only the summation order differs from a float32 matmul on the
- * dequantized matrix. Activations are never quantized.
+ * Arithmetic: activations stay float32 (never quantized, unlike llama.cpp) and every product is accumulated in
+ * float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float weights bit for
+ * bit (compiled with -ffp-contract=off, so `d * q + m` is rounded twice as there). The small-M path regroups each
+ * block's products around its scales, d * sum(q x) + m * sum(x): the same sum up to float32 rounding.
  *
- * Work split: output rows in tiles of TILE_ROWS. Each tile is dequantized into a small float buffer that stays in
- * L1/L2 and multiplied with every activation row by a register-blocked micro-kernel (3 activation rows x 4 weight
- * rows, 12 accumulators). For M = 1 this streams the packed weights once; for larger M each dequantized tile is
- * reused M times. Tiles are spread over OpenMP threads (the process's libgomp: the same pool PyTorch uses).
- * Float32 weights skip the buffer and are read in place.
+ * Work split: for up to FUSED_MAX_M activation rows each block is decoded in registers and multiplied at once,
+ * streaming the packed weights once. For more rows, output rows go in tiles of TILE_ROWS: each tile is
+ * dequantized into a small float buffer that stays in L1/L2 and multiplied with every activation row by a
+ * register-blocked micro-kernel (3 activation rows x 4 weight rows, 12 accumulators), so each dequantized tile
+ * is reused M times; float32 weights are read in place. Rows are spread over OpenMP threads (the process's
+ * libgomp: the same pool PyTorch uses).
  *
  * Each function has an AVX2+FMA+F16C version (target attribute) and a portable scalar version; the caller picks
  * with `use_avx2`, after asking pagellm_cpu_has_avx2().
@@ -276,28 +277,37 @@ AVX2 static void tile_gemm_avx2(const float *x, int64_t mb, int64_t ldx, const f
 
 /* ---- small M: dequantize in registers, no buffer ---------------------------------------------------------
  * For decode-sized batches the tile buffer's store and reload cost more than the arithmetic, so each block is
- * decoded into four vectors and multiplied straight away. Specialised per type and per M (always_inline with
- * constants), with two accumulator chains per activation row so FMA latency does not serialise a row. */
+ * decoded in registers and used straight away. A block's products are regrouped around its scales:
+ *     sum_j (d q_j + m) x_j  =  d (sum_j q_j x_j) + m (sum_j x_j)
+ * with sum_j x_j computed once per call. That removes the multiply and add per weight that rebuilding ggml's
+ * float weights costs, and keeps float32 activations and float32 accumulation (no activation quantization);
+ * the result differs from the tile path only by float32 rounding. Specialised per type and per M
+ * (always_inline with constants). */
 #define FUSED_MAX_M 4
 
-AVX2 static inline __attribute__((always_inline)) void decode_block(const int type, const uint8_t *blk, __m256 w[4]) {
+static inline int is_block_type(int type) { return type != T_F32 && type != T_F16 && type != T_BF16; }
+
+/* Block `blk` as four vectors of 8: float types give their values; block types give the integer levels (with
+ * ggml's offset: q - 8 for Q4_0, q - 16 for Q5_0) and their scale d and minimum m (0 when the type has none). */
+AVX2 static inline __attribute__((always_inline)) void decode_block(const int type, const uint8_t *blk, __m256 f[4],
+                                                                    float *d, float *m) {
     switch (type) {
     case T_F32:
-        for (int p = 0; p < 4; p++) w[p] = _mm256_loadu_ps((const float *)blk + 8 * p);
+        for (int p = 0; p < 4; p++) f[p] = _mm256_loadu_ps((const float *)blk + 8 * p);
         return;
     case T_F16:
-        for (int p = 0; p < 4; p++) w[p] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * p)));
+        for (int p = 0; p < 4; p++) f[p] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * p)));
         return;
     case T_BF16:
         for (int p = 0; p < 4; p++)
-            w[p] = _mm256_castsi256_ps(_mm256_slli_epi32(
+            f[p] = _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * p))), 16));
         return;
-    case T_Q8_0: {
-        const __m256 d = _mm256_set1_ps(half_avx2(blk));
-        for (int p = 0; p < 4; p++) w[p] = _mm256_mul_ps(i8_to_ps(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * p))), d);
+    case T_Q8_0:
+        *d = half_avx2(blk);
+        *m = 0.0f;
+        for (int p = 0; p < 4; p++) f[p] = i8_to_ps(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * p)));
         return;
-    }
     default:
         break;
     }
@@ -318,52 +328,69 @@ AVX2 static inline __attribute__((always_inline)) void decode_block(const int ty
             q[p] = _mm256_or_si256(q[p], _mm256_slli_epi32(bit, 4));
         }
     }
-    const __m256 d = _mm256_set1_ps(half_avx2(blk));
-    const __m256 m = has_min ? _mm256_set1_ps(half_avx2(blk + 2)) : _mm256_setzero_ps();
+    *d = half_avx2(blk);
+    *m = has_min ? half_avx2(blk + 2) : 0.0f;
     const __m256i offset = _mm256_set1_epi32(five_bit ? 16 : 8);
-    for (int p = 0; p < 4; p++) {
-        const __m256 f = _mm256_cvtepi32_ps(has_min ? q[p] : _mm256_sub_epi32(q[p], offset));
-        w[p] = has_min ? _mm256_add_ps(_mm256_mul_ps(d, f), m) : _mm256_mul_ps(d, f);
-    }
+    for (int p = 0; p < 4; p++) f[p] = _mm256_cvtepi32_ps(has_min ? q[p] : _mm256_sub_epi32(q[p], offset));
 }
 
 AVX2 static inline __attribute__((always_inline)) void fused_rows(
     const int type, const int m, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1, const float *x,
-    int64_t ldx, int64_t k, float *out, int64_t ldo) {
+    int64_t ldx, const float *xsum, int64_t k, float *out, int64_t ldo) {
     int64_t block_bytes, block_elems;
     type_layout(type, &block_bytes, &block_elems);
-    const int64_t step = 32 * block_bytes / block_elems; /* bytes per 32 weights */
+    const int64_t step = 32 * block_bytes / block_elems, blocks = k / 32; /* bytes per 32 weights */
+    const int scaled = is_block_type(type), has_min = type == T_Q4_1 || type == T_Q5_1;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = w + r * row_bytes;
-        const int chains = m <= 2 ? 4 : 2; /* independent FMA chains per activation row: hide FMA latency */
         __m256 acc[FUSED_MAX_M][4];
-        for (int i = 0; i < m; i++)
+        float min_acc[FUSED_MAX_M];
+        for (int i = 0; i < m; i++) {
+            min_acc[i] = 0.0f;
             for (int c = 0; c < 4; c++) acc[i][c] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < k / 32; b++) {
-            __m256 wv[4];
-            decode_block(type, row + b * step, wv);
-            const float *xb = x + b * 32;
-            for (int i = 0; i < m; i++)
-                for (int p = 0; p < 4; p++)
-                    acc[i][p % chains] = _mm256_fmadd_ps(wv[p], _mm256_loadu_ps(xb + i * ldx + 8 * p), acc[i][p % chains]);
         }
-        for (int i = 0; i < m; i++)
-            out[i * ldo + r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3])));
+        for (int64_t b = 0; b < blocks; b++) {
+            __m256 f[4];
+            float d = 1.0f, mn = 0.0f;
+            decode_block(type, row + b * step, f, &d, &mn);
+            const float *xb = x + b * 32;
+            if (!scaled) { /* four independent chains per row hide the FMA latency */
+                for (int i = 0; i < m; i++)
+                    for (int p = 0; p < 4; p++)
+                        acc[i][p] = _mm256_fmadd_ps(f[p], _mm256_loadu_ps(xb + i * ldx + 8 * p), acc[i][p]);
+                continue;
+            }
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int i = 0; i < m; i++) {
+                /* The block's dot product is independent of the accumulator, so only one FMA per block sits on
+                 * the loop-carried chain. */
+                const float *xi = xb + i * ldx;
+                const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xi + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xi)));
+                const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xi + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xi + 16)));
+                acc[i][0] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), dv, acc[i][0]);
+                if (has_min) min_acc[i] += mn * xsum[i * blocks + b];
+            }
+        }
+        for (int i = 0; i < m; i++) {
+            const __m256 total = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+            out[i * ldo + r] = hsum(total) + min_acc[i];
+        }
     }
 }
 
 #define FUSED_CASE(TYPE)                                                                                        \
     case TYPE:                                                                                                  \
         switch (m) {                                                                                            \
-        case 1: fused_rows(TYPE, 1, w, row_bytes, r0, r1, x, ldx, k, out, ldo); return;                         \
-        case 2: fused_rows(TYPE, 2, w, row_bytes, r0, r1, x, ldx, k, out, ldo); return;                         \
-        case 3: fused_rows(TYPE, 3, w, row_bytes, r0, r1, x, ldx, k, out, ldo); return;                         \
-        default: fused_rows(TYPE, 4, w, row_bytes, r0, r1, x, ldx, k, out, ldo); return;                        \
+        case 1: fused_rows(TYPE, 1, w, row_bytes, r0, r1, x, ldx, xsum, k, out, ldo); return;                         \
+        case 2: fused_rows(TYPE, 2, w, row_bytes, r0, r1, x, ldx, xsum, k, out, ldo); return;                         \
+        case 3: fused_rows(TYPE, 3, w, row_bytes, r0, r1, x, ldx, xsum, k, out, ldo); return;                         \
+        default: fused_rows(TYPE, 4, w, row_bytes, r0, r1, x, ldx, xsum, k, out, ldo); return;                        \
         }
 
-/* Rows [r0, r1) of out for m <= FUSED_MAX_M activation rows; k a multiple of 32. */
+/* Rows [r0, r1) of out for m <= FUSED_MAX_M activation rows; k a multiple of 32; xsum [m, k / 32] holds each
+ * activation row's sum over every block of 32. */
 AVX2 static void fused_avx2(int type, int64_t m, const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,
-                            const float *x, int64_t ldx, int64_t k, float *out, int64_t ldo) {
+                            const float *x, int64_t ldx, const float *xsum, int64_t k, float *out, int64_t ldo) {
     switch (type) {
         FUSED_CASE(T_F32) FUSED_CASE(T_F16) FUSED_CASE(T_BF16) FUSED_CASE(T_Q4_0) FUSED_CASE(T_Q4_1)
         FUSED_CASE(T_Q5_0) FUSED_CASE(T_Q5_1) FUSED_CASE(T_Q8_0)
@@ -404,10 +431,19 @@ int pagellm_linear(int type, const float *x, int64_t m, int64_t k, int64_t ldx, 
     if (!type_layout(type, &block_bytes, &block_elems) || k % block_elems) return -1;
 #if HAVE_X86
     if (use_avx2 && m <= FUSED_MAX_M && k % 32 == 0) {
+        float *xsum = malloc((size_t)(m * (k / 32)) * sizeof(float));
+        if (xsum == NULL) return -2;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t b = 0; b < k / 32; b++) {
+                float s = 0.0f;
+                for (int j = 0; j < 32; j++) s += x[i * ldx + b * 32 + j];
+                xsum[i * (k / 32) + b] = s;
+            }
         const int64_t chunk = 16; /* rows per scheduling unit: keeps the split even on small matrices */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t r0 = 0; r0 < n; r0 += chunk)
-            fused_avx2(type, m, w, row_bytes, r0, r0 + chunk < n ? r0 + chunk : n, x, ldx, k, out, ldo);
+            fused_avx2(type, m, w, row_bytes, r0, r0 + chunk < n ? r0 + chunk : n, x, ldx, xsum, k, out, ldo);
+        free(xsum);
         return 0;
     }
 #endif
