@@ -1,7 +1,7 @@
 """Compile pagellm's C kernels on first use and load them with ctypes.
 
 Each C source ships with the package and is compiled with the machine's C compiler (gcc or cc) into the pagellm
-cache directory, keyed by the source, flags, compiler and CPU, so later runs just load it. If no compiler is
+cache directory, keyed by the source (and the headers beside it), flags, compiler and CPU, so later runs just load it. If no compiler is
 there or the build fails, `load_library` returns None and callers use their PyTorch path. Libraries built with
 OpenMP link `libgomp.so.1`, which resolves to the copy PyTorch already loaded: one thread pool for both.
 """
@@ -31,7 +31,8 @@ def _cpu_signature() -> str:
 
 
 def _build(source: Path, flags: list[str], compiler: str) -> Path:
-    key = hashlib.sha256("\0".join([source.read_text(), *flags, compiler, _cpu_signature()]).encode())
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # sources may include any of them
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, compiler, _cpu_signature()]).encode())
     target = envs.cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target

@@ -1,11 +1,13 @@
 /* The small per-token operations of a decoder layer, float32, CPU: RMSNorm (optionally fused with the residual
  * add), SiLU-and-multiply, and rotate-half RoPE applied in place. In PyTorch each is several operators of a few
  * microseconds of dispatch apiece, which at decode batch sizes cost more than the arithmetic. Arithmetic follows
- * the Hugging Face reference operation by operation (compiled with -ffp-contract=off: no fused multiply-adds), so
- * only the order of the RMSNorm sum of squares differs. Rows are spread over OpenMP threads when there are many.
+ * the Hugging Face reference operation by operation (compiled with -ffp-contract=off: no fused multiply-adds),
+ * except the order of the RMSNorm sum of squares and a vectorised exp in SiLU (within 2 ulp, as PyTorch's own). Rows are spread over OpenMP threads when there are many.
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "simd_exp.h"
 
 /* out = weight * (x / sqrt(mean(x^2) + eps)), row by row. With residual != NULL: residual += x first, and the
  * norm is taken of the updated residual (vLLM's fused_add_rms_norm). x, residual and out: [rows, dim]. */
@@ -20,6 +22,7 @@ void rms_norm_f32(const float *x, float *residual, const float *weight, float *o
             in = res;
         }
         float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < dim; i++) sum += in[i] * in[i];
         const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
         float *o = out + r * dim;
@@ -33,7 +36,16 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int n
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * d, *up = gate + d;
         float *o = out + r * d;
-        for (int64_t i = 0; i < d; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= d; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < d; i++) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
 }
 

@@ -72,7 +72,7 @@ class PackedMatmul:
     """x -> x W^T for one packed weight, described to the kernel once so each call passes six arguments; the
     decode step calls it about a hundred times, so its Python cost is kept to a few microseconds."""
 
-    __slots__ = ("weight", "in_features", "out_features", "_matrix", "_pointer", "_run")
+    __slots__ = ("weight", "in_features", "out_features", "_matrix", "pointer", "_run")
 
     def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int) -> None:
         if qweight.shape[1] != row_bytes(qtype, in_features):
@@ -82,7 +82,7 @@ class PackedMatmul:
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self._matrix = _Matrix(int(qtype), int(use_avx2()), qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
                                in_features)
-        self._pointer = ctypes.addressof(self._matrix)
+        self.pointer = ctypes.addressof(self._matrix)  # what the fused decoder (kernels.decoder) passes to C
         self._run = load().pagellm_matmul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class PackedMatmul:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        status = self._run(self._pointer, x2.data_ptr(), x2.shape[0], x2.stride(0), out.data_ptr(),
+        status = self._run(self.pointer, x2.data_ptr(), x2.shape[0], x2.stride(0), out.data_ptr(),
                            torch.get_num_threads())
         if status:
             _check(status, "matmul")

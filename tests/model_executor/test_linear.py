@@ -19,7 +19,7 @@ def packed(rows: int, columns: int, qtype: QT, seed: int = 0) -> PackedTensor:
     return PackedTensor(qtype, torch.from_numpy(blocks.copy()), (rows, columns))
 
 
-@pytest.mark.parametrize("num_rows", [1, 4, linear_module.PACKED_KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("num_rows", [1, 4, linear_module.KERNEL_MAX_ROWS + 1])
 def test_packed_linear_equals_float_linear(num_rows):
     weight = packed(48, 96, QT.Q4_1)
     layer = Linear(96, 48, bias=True)

@@ -7,10 +7,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagellm.kernels import decoder as fused_decoder_kernels
+from pagellm.kernels import elementwise
+from pagellm.kernels.decoder import FusedDecoder, LayerWeights
 from pagellm.model_executor.layers.activation import SiluAndMul
 from pagellm.model_executor.layers.attention import Attention, AttentionMetadata
 from pagellm.model_executor.layers.layernorm import RMSNorm
-from pagellm.model_executor.layers.linear import Linear, MergedLinear, VocabEmbedding
+from pagellm.model_executor.layers.linear import KERNEL_MAX_ROWS, Linear, MergedLinear, VocabEmbedding
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -70,6 +73,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    use_fused_decoder = True  # tests switch it off to compare against the module-by-module path
     # checkpoint name fragment -> (fused parameter fragment, shard index)
     stacked_params = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -90,14 +94,45 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self._fused: FusedDecoder | bool | None = None  # None: not built yet; False: does not apply
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if not meta.prefills and meta.num_decodes <= KERNEL_MAX_ROWS and self.fused_decoder() is not None:
+            hidden = self._fused.forward(hidden, positions, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+                                         meta.decode_seq_lens)
+            return self.norm(hidden)
         rope = self.rotary_emb.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """Every layer of a decode step in one C call (float32 on the CPU, every projection on the C kernel), built
+        on first use; None where it does not apply, and then the modules run one by one."""
+        if self._fused is None:
+            self._fused = self._build_fused_decoder() or False
+        return self._fused or None
+
+    def _build_fused_decoder(self) -> FusedDecoder | None:
+        if not self.use_fused_decoder or fused_decoder_kernels.load() is None:
+            return None
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            if any(p._kernel is None for p in projections) or not elementwise.applies(layer.input_layernorm.weight):
+                return None
+            layers.append(LayerWeights(
+                *(p._kernel for p in projections), layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                *(p.bias for p in projections), attn.q_norm.weight if attn.q_norm else None,
+                attn.k_norm.weight if attn.k_norm else None))
+        attn = self.layers[0].self_attn
+        return FusedDecoder(layers, hidden=self.config.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                            head_dim=attn.head_dim, intermediate=self.config.intermediate_size,
+                            eps=self.norm.eps, cos_table=self.rotary_emb.cos_cache,
+                            sin_table=self.rotary_emb.sin_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head

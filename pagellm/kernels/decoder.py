@@ -1,0 +1,112 @@
+"""The decoder layers of a Llama-family model in one C call per decode step (`decoder_cpu.c`), for float32 on the
+CPU. The model builds a `FusedDecoder` from its layers' kernels and weights; the C side strings together the same
+kernels the PyTorch modules call, so the two paths compute the same thing (tests compare them)."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pagellm.kernels import elementwise, linear, paged_attention
+from pagellm.kernels.build import load_library
+
+_SOURCE = Path(__file__).with_name("decoder_cpu.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _PTR) for name in (
+        "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
+        "input_norm", "post_norm", "q_norm", "k_norm", "key_cache", "value_cache")]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [*((name, _PTR) for name in ("matmul", "rms_norm", "silu_and_mul", "rope", "write_cache",
+                                             "attention")),
+                *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
+                                            "block_size", "num_layers")),
+                ("eps", _F32), ("scale", _F32), ("cos_table", _PTR), ("sin_table", _PTR),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    parts = [linear.load(), elementwise.load(), paged_attention.load()]
+    library = None if None in parts else load_library(_SOURCE, _FLAGS, "the fused CPU decode step")
+    if library is not None:
+        library.pagellm_decoder_forward.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
+        library.pagellm_decoder_forward.restype = ctypes.c_int
+    return library
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, _PTR).value
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's kernels and float tensors (biases, norms: None when the model has none)."""
+    qkv: linear.PackedMatmul
+    o: linear.PackedMatmul
+    gate_up: linear.PackedMatmul
+    down: linear.PackedMatmul
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+class FusedDecoder:
+    """Runs every decoder layer for a batch of decoding sequences in one call."""
+
+    def __init__(self, layers: list[LayerWeights], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
+        self._weights = layers  # keeps every tensor the C side points at alive
+        self._tables = (cos_table, sin_table)
+        self._layers = (_Layer * len(layers))()
+        for struct, w in zip(self._layers, layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(struct, name, getattr(w, name).pointer)
+            for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "input_norm", "post_norm", "q_norm",
+                         "k_norm"):
+                tensor = getattr(w, name)
+                setattr(struct, name, None if tensor is None else tensor.data_ptr())
+        lib_linear, lib_elementwise, lib_attention = linear.load(), elementwise.load(), paged_attention.load()
+        self._decoder = _Decoder(
+            _address(lib_linear.pagellm_matmul), _address(lib_elementwise.rms_norm_f32),
+            _address(lib_elementwise.silu_and_mul_f32), _address(lib_elementwise.rope_f32),
+            _address(lib_attention.reshape_and_cache_f32), _address(lib_attention.paged_decode_attention_f32),
+            hidden, heads, kv_heads, head_dim, intermediate, 0, 0, len(layers), eps, head_dim ** -0.5,
+            cos_table.data_ptr(), sin_table.data_ptr(), self._layers)
+        self._caches: list[torch.Tensor] | None = None
+        self._run = load().pagellm_decoder_forward
+
+    def _bind(self, kv_caches: list[torch.Tensor]) -> None:
+        """Point the layers at this KV cache ([2, Hkv, num_blocks, block_size, D] per layer)."""
+        for struct, cache_tensor in zip(self._layers, kv_caches):
+            struct.key_cache, struct.value_cache = cache_tensor[0].data_ptr(), cache_tensor[1].data_ptr()
+        self._decoder.num_blocks, self._decoder.block_size = kv_caches[0].shape[2], kv_caches[0].shape[3]
+        self._caches = kv_caches
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """hidden [m, hidden] (updated in place and returned); one query token per sequence."""
+        if kv_caches is not self._caches:
+            self._bind(kv_caches)
+        hidden = hidden.contiguous()
+        status = self._run(ctypes.addressof(self._decoder), hidden.data_ptr(), hidden.shape[0], positions.data_ptr(),
+                           slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                           seq_lens.data_ptr(), torch.get_num_threads())
+        if status == -2:
+            raise MemoryError("the fused decode step could not allocate its scratch buffers")
+        if status != 0:
+            raise RuntimeError("the fused decode step failed in a kernel")
+        return hidden
