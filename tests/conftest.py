@@ -4,6 +4,7 @@ subprocesses on 127.0.0.1 (a free port each) with helpers to read their /metrics
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -82,6 +83,17 @@ def tiny_model_factory(tmp_path_factory, smollm2_dir):
         return cache[key]
 
     return make
+
+
+def random_token_prompts(lengths, seed: int = 0, vocab_size: int = 49152) -> list[dict]:
+    """{"prompt_token_ids": [...]} prompts of the given lengths (ids avoid the first few special tokens)."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(20, vocab_size) for _ in range(n)]} for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def make_token_prompts():
+    return random_token_prompts
 
 
 # ---------------------------------------------------------------- live servers

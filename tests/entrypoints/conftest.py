@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import random
 
 import pytest
 import torch
@@ -64,17 +63,6 @@ def hf_model(model_dir):
 @pytest.fixture(scope="session")
 def hf_greedy():
     return hf_greedy_generate
-
-
-def random_token_prompts(lengths, seed: int = 0, vocab_size: int = 49152) -> list[dict]:
-    """{"prompt_token_ids": [...]} prompts of the given lengths (ids avoid the first few special tokens)."""
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(20, vocab_size) for _ in range(n)]} for n in lengths]
-
-
-@pytest.fixture(scope="session")
-def make_token_prompts():
-    return random_token_prompts
 
 
 def kv_pool_bytes(model_dir, block_size: int, num_blocks: int) -> int:
