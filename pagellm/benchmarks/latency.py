@@ -3,15 +3,19 @@
 Every backend runs the same random-token prompts in this process on the same threads. Prefill tok/s is
 batch x input_len over the time to the first token; decode tok/s is batch x output_len over the time of the
 remaining steps (generation of 1 + output_len tokens minus generation of 1). llama.cpp runs through the
-`llama-cpp-python` binding on the GGUF file itself (one sequence, as `llama-bench`: fixed tokens fed back, no
-sampling), and at float32 on an F32 GGUF written here with the `gguf` package from the same weights.
+`llama-cpp-python` binding on the GGUF file itself, in a child process of its own (`llama_cpp_peer`; one sequence,
+as `llama-bench`: fixed tokens fed back, no sampling), and at float32 on an F32 GGUF written here with the `gguf`
+package from the same weights.
 Each figure is also printed against the machine's own limits, measured here: the memory bandwidth bounds
 decode (every weight byte is read once per step) and the matmul peak bounds prefill.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,28 +97,19 @@ def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> 
 
 
 def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: int, repeats: int) -> LatencyResult:
+    import gguf
+
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401  (only to fail early with a clear message; it runs in a child process)
     except ImportError as exc:
         raise SystemExit("The llama.cpp backend needs the `llama-cpp-python` package (it builds llama.cpp from "
                          "source, ~15-20 min on 2 cores): pip install 'pagellm[llamacpp]'.") from exc
-    llm = Llama(model_path=str(gguf_path), n_ctx=len(prompt) + output_len + 8, n_batch=512,
-                n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False)
-
-    def run(n: int) -> float:
-        llm.reset()
-        start = time.perf_counter()
-        llm.eval(prompt)
-        for i in range(n - 1):
-            llm.eval([prompt[i % len(prompt)]])
-        return time.perf_counter() - start
-
-    run(2)
-    prefill, decode = _best_of(repeats, run, output_len)
-    import gguf
-
+    command = [sys.executable, "-m", "pagellm.benchmarks.llama_cpp_peer", str(gguf_path), "--prompt",
+               ",".join(map(str, prompt)), "--output-len", str(output_len), "--repeats", str(repeats),
+               "--threads", str(torch.get_num_threads())]
+    seconds = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2)
-    return _result(name, [prompt], output_len, prefill, decode, weight_bytes)
+    return _result(name, [prompt], output_len, seconds["prefill_seconds"], seconds["decode_seconds"], weight_bytes)
 
 
 def _result(backend: str, prompts: list[list[int]], output_len: int, prefill: float, decode: float,
