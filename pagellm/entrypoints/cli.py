@@ -1,5 +1,5 @@
-"""The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), `bench throughput`, `bench latency`,
-`bench serve`, `bench soak`, `bench sharing`."""
+"""The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), and the benchmarks
+`bench throughput`, `bench latency`, `bench sweep`, `bench serve`, `bench soak`, `bench sharing`."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,13 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
 def _bench_latency(args: argparse.Namespace) -> int:
     from pagellm.benchmarks.latency import run
+
+    run(args)
+    return 0
+
+
+def _bench_sweep(args: argparse.Namespace) -> int:
+    from pagellm.benchmarks.sweep import run
 
     run(args)
     return 0
@@ -108,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_latency_args(latency)
     EngineArgs.add_cli_args(latency)
     latency.set_defaults(handler=_bench_latency)
+    sweep = bench.add_parser("sweep", help="throughput and time per output token against concurrency, to CSV and PNG")
+    from pagellm.benchmarks.sweep import add_cli_args as add_sweep_args
+
+    add_sweep_args(sweep)
+    EngineArgs.add_cli_args(sweep)
+    sweep.set_defaults(handler=_bench_sweep)
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
     from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
 

@@ -1,9 +1,10 @@
 """Compile pagellm's C kernels on first use and load them with ctypes.
 
 Each C source ships with the package and is compiled with the machine's C compiler (gcc or cc) into the pagellm
-cache directory, keyed by the source (and the headers beside it), flags, compiler and CPU, so later runs just load it. If no compiler is
-there or the build fails, `load_library` returns None and callers use their PyTorch path. Libraries built with
-OpenMP link `libgomp.so.1`, which resolves to the copy PyTorch already loaded: one thread pool for both.
+cache directory, keyed by the source (and the headers beside it), flags, compiler and CPU, so later runs just
+load it. If no compiler is there or the build fails, `load_library` returns None and callers use their PyTorch
+path. Libraries built with OpenMP link `libgomp.so.1`, which resolves to the copy PyTorch already loaded: one
+thread pool for both.
 """
 from __future__ import annotations
 

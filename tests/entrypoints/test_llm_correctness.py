@@ -138,3 +138,21 @@ def test_smollm2_chat_matches_hf_and_stops_at_eos(smol_llm, smol_hf, hf_greedy, 
     assert completion.text == tokenizer.decode(ref, skip_special_tokens=True)
     assert "Paris" in completion.text
     no_leaks(smol_llm)
+
+
+def test_smollm2_packed_weights_logprobs_match_hf(smol_llm, smol_hf):
+    """The default model runs on its packed Q4_1/Q8_0 weights; every logprob (top 5 and the chosen token, over
+    prefill and 16 decode steps) is within 1e-3 of log_softmax of transformers' logits on the same file."""
+    model_config = smol_llm.llm_engine.config.model_config
+    assert model_config.quantization == "gguf" and model_config.gguf_file is not None
+    weight_bytes = smol_llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0]
+    assert weight_bytes < 120e6  # packed (96 MB), not float32 (538 MB)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
+    for out in smol_llm.generate(SMOL_PROMPTS[:3], params, use_tqdm=False):
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        with torch.inference_mode():
+            reference = smol_hf(torch.tensor([tokens])).logits[0].float().log_softmax(dim=-1)
+        start = len(out.prompt_token_ids) - 1
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for token, logprob in entry.items():
+                assert logprob.logprob == pytest.approx(reference[start + step, token].item(), abs=1e-3)

@@ -90,7 +90,8 @@ class MergedLinear(Linear):
         """Keep shard `shard` until every shard is in, then store the stacked matrix (packed when all shards share
         one storage type)."""
         if loaded.shape[0] != self.output_sizes[shard]:
-            raise ValueError(f"Checkpoint shard {shard} has {loaded.shape[0]} rows, expected {self.output_sizes[shard]}.")
+            raise ValueError(f"Checkpoint shard {shard} has {loaded.shape[0]} rows, expected "
+                             f"{self.output_sizes[shard]}.")
         self._shards[shard] = loaded
         if len(self._shards) < len(self.output_sizes):
             return

@@ -1,0 +1,81 @@
+"""`pagellm bench latency` and `bench sweep` end to end on a tiny model beside transformers, the sweep's metric
+maths, and the F32 GGUF that llama.cpp's float32 run reads (written with the `gguf` package)."""
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from pagellm.benchmarks.latency import LatencyResult, write_f32_gguf
+from pagellm.benchmarks.sweep import row
+
+
+def cli(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "bench", *args], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_latency_against_transformers_with_step_split(tiny_model_factory):
+    out = cli("latency", "--model", str(tiny_model_factory("llama")), "--backends", "pagellm,hf", "--batch-size",
+              "1,3", "--input-len", "12", "--output-len", "6", "--repeats", "1", "--step-split",
+              "--kv-cache-memory", "8MiB")
+    assert "pagellm step split, batch 3" in out and "forward" in out and "sample" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["pagellm"], ["transformers"])]
+    assert sorted((r[0], r[1]) for r in rows) == [("pagellm", "1"), ("pagellm", "3"), ("transformers", "1"),
+                                                   ("transformers", "3")]
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)  # prefill and decode tok/s
+    assert "pagellm / transformers at batch 3: prefill" in out
+    assert "quantization none" in out  # a float checkpoint: nothing packed by default
+
+
+def test_sweep_writes_csv_and_png(tiny_model_factory, tmp_path):
+    cli("sweep", "--model", str(tiny_model_factory("llama")), "--backends", "pagellm,hf", "--concurrency", "1,2",
+        "--input-len", "8", "--output-len", "4", "--output", str(tmp_path / "sweep"), "--kv-cache-memory", "8MiB")
+    with open(tmp_path / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["backend"], r["concurrency"]) for r in rows] == [
+        ("pagellm", "1"), ("transformers", "1"), ("pagellm", "2"), ("transformers", "2")]
+    assert all(float(r["total_tok_s"]) > 0 and float(r["tpot_ms"]) > 0 for r in rows)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_row_maths():
+    # 4 requests, 100 prompt tokens in 2 s (200 tok/s), 50 output tokens each in 5 s (40 tok/s).
+    r = row(LatencyResult("x", 4, prefill_tok_s=200.0, decode_tok_s=40.0, weight_bytes=1), 100, 50)
+    assert r["total_tok_s"] == pytest.approx(4 * 150 / 7, abs=0.01)
+    assert r["output_tok_s"] == pytest.approx(4 * 50 / 7, abs=0.01)
+    assert r["tpot_ms"] == pytest.approx(100.0)
+
+
+def test_f32_gguf_keeps_metadata_and_dequantizes_every_tensor(tmp_path):
+    rng = np.random.default_rng(0)
+    source = tmp_path / "model.Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_block_count(1)
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    quantized = rng.standard_normal((8, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(quantized, QT.Q8_0), raw_dtype=QT.Q8_0)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    target = write_f32_gguf(source, tmp_path / "model.F32.gguf")
+    before, after = gguf.GGUFReader(source), gguf.GGUFReader(target)
+    assert after.get_field("general.file_type").contents() == int(gguf.LlamaFileType.ALL_F32)
+    assert after.get_field("tokenizer.ggml.tokens").contents() == ["a", "b", "c"]
+    assert after.get_field("llama.block_count").contents() == 1
+    for old, new in zip(before.tensors, after.tensors):
+        assert new.name == old.name and new.tensor_type == QT.F32
+        assert list(new.shape) == list(old.shape)
+        np.testing.assert_array_equal(np.asarray(new.data).reshape(-1),
+                                      gguf.quants.dequantize(old.data, old.tensor_type).reshape(-1))
