@@ -11,8 +11,12 @@ import torch
 from torch import nn
 
 from pagellm.config import ModelConfig
+from pagellm.kernels import linear as linear_kernels
+from pagellm.logger import init_logger
 from pagellm.model_executor.model_loader.gguf_weights import iterate_gguf_weights
 from pagellm.model_executor.models.registry import get_model_class
+
+logger = init_logger(__name__)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -81,6 +85,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_class(model_config.hf_config, max_position=model_config.max_model_len)
     finally:
         torch.set_default_dtype(default_dtype)
+    if model_config.quantization != "none" and not linear_kernels.available():
+        logger.warning("The C kernels for packed weights are unavailable (no C compiler, or "
+                       "PAGELLM_DISABLE_C_KERNELS=1): weights are dequantized to float32 instead (--quantization %s).",
+                       model_config.quantization)
     if model_config.quantization == "gguf":
         weights = iterate_gguf_weights(model_config.gguf_file, model_config.hf_config)
     else:

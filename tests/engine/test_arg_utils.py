@@ -1,0 +1,35 @@
+"""`--quantization` resolution in EngineArgs: the default per model kind and device, and clear errors."""
+from __future__ import annotations
+
+import pytest
+
+from pagellm.engine.arg_utils import EngineArgs
+
+
+def resolved(**kwargs):
+    return EngineArgs(**kwargs).create_engine_config().model_config
+
+
+def test_gguf_model_defaults_to_packed_weights(smollm2_dir):
+    config = resolved(model=str(smollm2_dir))
+    assert config.quantization == "gguf" and config.gguf_file.endswith(".gguf")
+    # Packed kernels compute in float32 on the CPU: another dtype means float weights.
+    assert resolved(model=str(smollm2_dir), dtype="bfloat16").quantization == "none"
+    assert resolved(model=None, quantization="none").quantization == "none"
+
+
+def test_float_checkpoint_defaults_to_none_and_may_ask_for_int8(tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    assert resolved(model=model).quantization == "none"
+    assert resolved(model=model).gguf_file is None
+    assert resolved(model=model, quantization="int8").quantization == "int8"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(quantization="gguf"), "needs a .gguf model file"),
+    (dict(quantization="fp8"), "quantization must be one of gguf, int8, none"),
+    (dict(quantization="int8", dtype="bfloat16"), "runs on the CPU in float32 only"),
+])
+def test_bad_quantization_is_a_clear_error(tiny_model_factory, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolved(model=str(tiny_model_factory("llama")), **kwargs)
