@@ -32,10 +32,18 @@ def applies(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
 
 
+def _check_float32(*tensors: torch.Tensor) -> None:
+    """The C side reads raw float32 memory: anything else would be read (and written) out of bounds."""
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            raise TypeError(f"CPU float32 tensors expected, got {tensor.dtype} on {tensor.device}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension; with `residual`, first `residual += x` (in place) and normalise
     the sum. x (and residual) contiguous [..., dim]."""
     dim = weight.shape[0]
+    _check_float32(x, weight, *(() if residual is None else (residual,)))
     out = torch.empty(x.shape, dtype=torch.float32)
     load().rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                         out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
@@ -45,6 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] for contiguous x [..., 2d]."""
     d = x.shape[-1] // 2
+    _check_float32(x)
     out = torch.empty((*x.shape[:-1], d), dtype=torch.float32)
     load().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
     return out
@@ -53,6 +62,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
     """Rotate x [T, heads, dim] in place (head rows contiguous, any token stride) by full-width tables."""
     tokens, heads, dim = x.shape
-    assert x.stride()[1:] == (dim, 1) and positions.dtype == torch.int64 and positions.is_contiguous()
+    _check_float32(x, cos_table, sin_table)
+    if x.stride()[1:] != (dim, 1) or positions.dtype != torch.int64 or not positions.is_contiguous():
+        raise ValueError("rope_ needs contiguous head rows and contiguous int64 positions")
     load().rope_f32(x.data_ptr(), tokens, heads, x.stride(0), dim, positions.data_ptr(), cos_table.data_ptr(),
                     sin_table.data_ptr())

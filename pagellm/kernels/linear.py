@@ -86,6 +86,8 @@ class PackedMatmul:
         self._run = load().pagellm_matmul
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:  # the C side reads raw float32 memory
+            raise TypeError(f"PackedMatmul takes float32 activations, got {x.dtype}")
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()

@@ -59,7 +59,7 @@ class RotaryEmbedding(nn.Module):
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]. The C path rotates them in place."""
         positions, cos, sin = tables
-        if cos is None and q.stride(-1) == 1 and k.stride(-1) == 1:
+        if cos is None and elementwise.applies(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             elementwise.rope_(q, positions, self.cos_cache, self.sin_cache)
             elementwise.rope_(k, positions, self.cos_cache, self.sin_cache)
             return q, k
