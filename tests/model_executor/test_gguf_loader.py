@@ -390,3 +390,20 @@ def test_smollm2_tokenizer(smollm2_gguf_path, smollm2_converted):
         assert ours(text)["input_ids"] == ref(text)["input_ids"], text
     assert ours.convert_tokens_to_ids("<|im_end|>") == json.loads(
         (smollm2_converted / "generation_config.json").read_text())["eos_token_id"]
+
+
+def test_converted_dir_indexes_its_source_file(tmp_path):
+    from pagellm.model_executor.model_loader.gguf_loader import gguf_source, gguf_tensor_index
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, QT.Q4_1)
+    out_dir = convert_gguf_to_hf_dir(path)
+    assert gguf_source(out_dir) == path.resolve()
+    reader = gguf.GGUFReader(path)
+    index = gguf_tensor_index(out_dir)
+    assert [e["name"] for e in index] == [t.name for t in reader.tensors]
+    raw = path.read_bytes()
+    for entry, tensor in zip(index, reader.tensors):
+        assert raw[entry["offset"]:entry["offset"] + entry["bytes"]] == np.asarray(tensor.data).tobytes()
+    os.utime(path, ns=(0, 0))  # the file changed since: the directory no longer vouches for it
+    assert gguf_source(out_dir) is None

@@ -1,40 +1,59 @@
 """A GGUF file's tensors under Hugging Face names, matrices kept packed (`PackedTensor`) as the file stores them.
 
-Rows of ggml blocks are independent, so llama.cpp's Q/K row permutation is undone on the packed bytes and
-fused projections can stack packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
+The file is read with one sequential read, and each tensor is found through the index the converter wrote beside
+the checkpoint (`gguf_loader.gguf_tensor_index`): no metadata parsing at load. Rows of ggml blocks are
+independent, so llama.cpp's Q/K row permutation is undone on the packed bytes and fused projections can stack
+packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 
-import gguf
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
 from pagellm.model_executor.layers.quantization import PackedTensor
-from pagellm.model_executor.model_loader.gguf_loader import (ROPE_FREQS, dequantize_tensor, hf_tensor_name,
-                                                             unpermute_rows)
+from pagellm.model_executor.model_loader.gguf_loader import (ROPE_FREQS, gguf_source, gguf_tensor_index,
+                                                             hf_tensor_name, unpermute_rows)
+
+_FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
+                GGMLQuantizationType.BF16: torch.bfloat16}
 
 
-def iterate_gguf_weights(path: str | os.PathLike, hf_config) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
-    reader = gguf.GGUFReader(path)
+def _read_file(path: str | os.PathLike) -> torch.Tensor:
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buffer = torch.empty(size, dtype=torch.uint8)
+        if f.readinto(memoryview(buffer.numpy())) != size:
+            raise OSError(f"Short read from {path}.")
+    return buffer
+
+
+def iterate_gguf_weights(model_dir: str | os.PathLike,
+                         hf_config) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+    """(Hugging Face name, tensor) for every weight of the GGUF file `model_dir` was converted from."""
+    index = gguf_tensor_index(model_dir)
+    buffer = _read_file(gguf_source(model_dir))
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
+    for entry in index:
+        if entry["name"] == ROPE_FREQS:
             continue
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        qtype = GGMLQuantizationType(entry["type"])
+        shape = tuple(reversed(entry["shape"]))  # GGUF lists dimensions innermost first
+        raw = buffer[entry["offset"]:entry["offset"] + entry["bytes"]]
         weight: torch.Tensor | PackedTensor
-        if len(shape) == 2 and tensor.tensor_type != GGMLQuantizationType.F32:
-            rows = np.array(np.asarray(tensor.data).view(np.uint8).reshape(shape[0], -1))  # a copy: off the mmap
-            weight = PackedTensor(GGMLQuantizationType(tensor.tensor_type), torch.from_numpy(rows), shape)
+        if len(shape) == 2 and qtype != GGMLQuantizationType.F32:
+            weight = PackedTensor(qtype, raw.view(shape[0], -1), shape)
+        elif qtype in _FLOAT_TYPES:
+            weight = raw.view(_FLOAT_TYPES[qtype]).view(shape).float()
         else:
-            weight = dequantize_tensor(tensor).float()
-        permute_heads = heads if ".attn_q." in tensor.name else kv_heads if ".attn_k." in tensor.name else 0
+            raise ValueError(f"GGUF tensor {entry['name']!r} of type {qtype.name} has shape {shape}; only matrices "
+                             f"may be quantized.")
+        permute_heads = heads if ".attn_q." in entry["name"] else kv_heads if ".attn_k." in entry["name"] else 0
         if permute_heads and isinstance(weight, PackedTensor):
             weight.data = unpermute_rows(weight.data, permute_heads)
         elif permute_heads:
             weight = unpermute_rows(weight, permute_heads)
-        yield hf_tensor_name(tensor.name), weight
+        yield hf_tensor_name(entry["name"]), weight

@@ -90,7 +90,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
                        "PAGELLM_DISABLE_C_KERNELS=1): weights are dequantized to float32 instead (--quantization %s).",
                        model_config.quantization)
     if model_config.quantization == "gguf":
-        weights = iterate_gguf_weights(model_config.gguf_file, model_config.hf_config)
+        weights = iterate_gguf_weights(model_config.model, model_config.hf_config)
     else:
         weights = iterate_weights(model_config.model)
     model.load_weights(weights, model_config.quantization)
