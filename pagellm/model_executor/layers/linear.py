@@ -35,7 +35,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.qweight_type: int | None = None  # set when the weight is packed (then `qweight` replaces `weight`)
-        self._kernel: kernels.PackedMatmul | None = None  # the C kernel bound to this weight, once loaded
+        # The C kernel bound to this weight once loaded (packed, or float32 on the CPU); the fused decoder uses it too.
+        self.kernel: kernels.PackedMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x)
@@ -43,14 +44,14 @@ class Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, without the bias."""
-        if self._kernel is not None:
+        if self.kernel is not None:
             rows = x.numel() // self.input_size
             if self.qweight_type is not None:
                 if rows <= KERNEL_MAX_ROWS:
-                    return self._kernel(x)
+                    return self.kernel(x)
                 return nn.functional.linear(x, kernels.dequantize(self.qweight, self.qweight_type, self.input_size))
             if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32:
-                return self._kernel(x)
+                return self.kernel(x)
         return nn.functional.linear(x, self.weight)
 
     def load_weight(self, loaded: torch.Tensor | PackedTensor, quantization: str) -> None:
@@ -66,11 +67,11 @@ class Linear(nn.Module):
             del self.weight
             self.register_buffer("qweight", packed.data.contiguous(), persistent=False)
             self.qweight_type = int(packed.qtype)
-            self._kernel = kernels.PackedMatmul(self.qweight, self.qweight_type, self.input_size)
+            self.kernel = kernels.PackedMatmul(self.qweight, self.qweight_type, self.input_size)
             return
         self.weight.data.copy_(packed.dequantize() if packed is not None else loaded)
         if _kernel_can_pack(kernels.T.F32, self.weight) and self.input_size % 32 == 0:
-            self._kernel = kernels.PackedMatmul(self.weight.data.view(torch.uint8), kernels.T.F32, self.input_size)
+            self.kernel = kernels.PackedMatmul(self.weight.data.view(torch.uint8), kernels.T.F32, self.input_size)
 
 
 class MergedLinear(Linear):

@@ -122,10 +122,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            if any(p._kernel is None for p in projections) or not elementwise.applies(layer.input_layernorm.weight):
+            if any(p.kernel is None for p in projections) or not elementwise.applies(layer.input_layernorm.weight):
                 return None
             layers.append(LayerWeights(
-                *(p._kernel for p in projections), layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                *(p.kernel for p in projections), layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 *(p.bias for p in projections), attn.q_norm.weight if attn.q_norm else None,
                 attn.k_norm.weight if attn.k_norm else None))
         attn = self.layers[0].self_attn
