@@ -30,10 +30,9 @@ SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_
 def load() -> ctypes.CDLL | None:
     library = load_library(_SOURCE, _FLAGS, "packed-weight linear layers")
     if library is not None:
-        library.pagellm_linear.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT, _INT]
         library.pagellm_dequantize_rows.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _INT]
         library.pagellm_matmul.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _INT]
-        library.pagellm_linear.restype = library.pagellm_dequantize_rows.restype = ctypes.c_int
+        library.pagellm_dequantize_rows.restype = ctypes.c_int
         library.pagellm_matmul.restype = ctypes.c_int
     return library
 
@@ -97,19 +96,6 @@ class PackedMatmul:
         if status:
             _check(status, "matmul")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
-
-
-def linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
-    """x [..., in_features] float32 times the packed weight [out_features, row bytes] transposed."""
-    library = load()
-    x2 = x.reshape(-1, in_features)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], qweight.shape[0], dtype=torch.float32)
-    _check(library.pagellm_linear(int(qtype), x2.data_ptr(), x2.shape[0], in_features, x2.stride(0),
-                                  qweight.data_ptr(), qweight.shape[1], qweight.shape[0], out.data_ptr(),
-                                  out.stride(0), torch.get_num_threads(), use_avx2()), "linear")
-    return out.view(*x.shape[:-1], qweight.shape[0])
 
 
 def dequantize_rows(qweight: torch.Tensor, qtype: int, ids: torch.Tensor, columns: int) -> torch.Tensor:

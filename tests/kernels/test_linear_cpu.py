@@ -57,7 +57,7 @@ def test_linear_matches_numpy(isa, qtype, rows, out_features, in_features):
     packed = encode(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     want, dequantized = reference(x, packed, qtype, in_features)
-    got = kernels.linear(torch.from_numpy(x), torch.from_numpy(packed), qtype, in_features).numpy()
+    got = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)(torch.from_numpy(x)).numpy()
     assert got.shape == (rows, out_features)
     assert_matmul_close(got, x, dequantized, want)
 
@@ -84,7 +84,7 @@ def test_float32_odd_width_and_strided_activations(isa, rows):
     wide = torch.from_numpy(rng.standard_normal((rows, 60)).astype(np.float32))
     x = wide[:, :45]
     assert rows == 1 or not x.is_contiguous()  # (one row is contiguous whatever its stride)
-    got = kernels.linear(x, torch.from_numpy(weight).view(torch.uint8), QT.F32, 45).numpy()
+    got = kernels.PackedMatmul(torch.from_numpy(weight).view(torch.uint8), QT.F32, 45)(x).numpy()
     assert_matmul_close(got, x.numpy(), weight, x.numpy().astype(np.float64) @ weight.astype(np.float64).T)
 
 
