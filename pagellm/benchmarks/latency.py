@@ -54,7 +54,10 @@ def _best_of(repeats: int, run: Callable[[int], float], output_len: int) -> tupl
     """(prefill seconds, decode seconds), each the best of `repeats`: run(n) generates n tokens."""
     prefill = min(run(1) for _ in range(repeats))
     total = min(run(1 + output_len) for _ in range(repeats))
-    return prefill, max(total - prefill, 1e-9)
+    if total <= prefill:
+        raise SystemExit(f"decoding {output_len} tokens took no measurable time next to the noise of the prefill "
+                         f"({total:.4f} s vs {prefill:.4f} s); raise --output-len")
+    return prefill, total - prefill
 
 
 def bench_pagellm(llm, prompts: list[list[int]], output_len: int, repeats: int, step_split: bool) -> LatencyResult:

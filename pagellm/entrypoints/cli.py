@@ -1,5 +1,5 @@
 """The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), and the benchmarks
-`bench throughput`, `bench latency`, `bench sweep`, `bench serve`, `bench soak`, `bench sharing`."""
+`bench throughput`, `bench latency`, `bench sweep`, `bench accuracy`, `bench serve`, `bench soak`, `bench sharing`."""
 from __future__ import annotations
 
 import argparse
@@ -47,6 +47,13 @@ def _bench_latency(args: argparse.Namespace) -> int:
 
 def _bench_sweep(args: argparse.Namespace) -> int:
     from pagellm.benchmarks.sweep import run
+
+    run(args)
+    return 0
+
+
+def _bench_accuracy(args: argparse.Namespace) -> int:
+    from pagellm.benchmarks.accuracy import run
 
     run(args)
     return 0
@@ -121,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_args(sweep)
     EngineArgs.add_cli_args(sweep)
     sweep.set_defaults(handler=_bench_sweep)
+    accuracy = bench.add_parser("accuracy", help="perplexity and greedy agreement of --quantization against float32")
+    from pagellm.benchmarks.accuracy import add_cli_args as add_accuracy_args
+
+    add_accuracy_args(accuracy)
+    EngineArgs.add_cli_args(accuracy)
+    accuracy.set_defaults(handler=_bench_accuracy)
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
     from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
 

@@ -1,8 +1,9 @@
-"""`pagellm bench latency` and `bench sweep` end to end on a tiny model beside transformers, the sweep's metric
+"""`pagellm bench latency`, `bench sweep` and `bench accuracy` end to end on a tiny model, the sweep's metric
 maths, and the F32 GGUF that llama.cpp's float32 run reads (written with the `gguf` package)."""
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ def cli(*args: str) -> str:
 
 def test_latency_against_transformers_with_step_split(tiny_model_factory):
     out = cli("latency", "--model", str(tiny_model_factory("llama")), "--backends", "pagellm,hf", "--batch-size",
-              "1,3", "--input-len", "12", "--output-len", "6", "--repeats", "1", "--step-split",
+              "1,3", "--input-len", "12", "--output-len", "16", "--repeats", "1", "--step-split",
               "--kv-cache-memory", "8MiB")
     assert "pagellm step split, batch 3" in out and "forward" in out and "sample" in out
     rows = [line.split() for line in out.splitlines()
@@ -38,7 +39,7 @@ def test_latency_against_transformers_with_step_split(tiny_model_factory):
 
 def test_sweep_writes_csv_and_png(tiny_model_factory, tmp_path):
     cli("sweep", "--model", str(tiny_model_factory("llama")), "--backends", "pagellm,hf", "--concurrency", "1,2",
-        "--input-len", "8", "--output-len", "4", "--output", str(tmp_path / "sweep"), "--kv-cache-memory", "8MiB")
+        "--input-len", "8", "--output-len", "16", "--output", str(tmp_path / "sweep"), "--kv-cache-memory", "8MiB")
     with open(tmp_path / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["backend"], r["concurrency"]) for r in rows] == [
@@ -80,3 +81,14 @@ def test_f32_gguf_keeps_metadata_and_dequantizes_every_tensor(tmp_path):
         assert list(new.shape) == list(old.shape)
         np.testing.assert_array_equal(np.asarray(new.data).reshape(-1),
                                       gguf.quants.dequantize(old.data, old.tensor_type).reshape(-1))
+
+
+def test_accuracy_of_int8_against_float32(tiny_model_factory, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The paged KV cache stores keys and values in fixed-size blocks. " * 8)
+    out = cli("accuracy", "--model", str(tiny_model_factory("llama")), "--quantization", "int8", "--text", str(text),
+              "--max-text-tokens", "60", "--greedy-tokens", "4", "--kv-cache-memory", "8MiB")
+    float32, int8 = map(float, re.search(r"float32 ([0-9.]+), int8 ([0-9.]+)", out).groups())
+    assert 1 < float32 and 1 < int8 and abs(int8 - float32) / float32 < 0.1  # a close but not identical model
+    assert "per-token logprob difference: mean" in out
+    assert "greedy tokens identical:" in out and "of 32" in out
