@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagellm.benchmarks.llama_cpp_peer import require_binding
 from pagellm.benchmarks.machine import memory_bandwidth, model_flops, peak_matmul_flops
 
 BACKENDS = ("pagellm", "hf", "llama.cpp", "llama.cpp-f32")
@@ -102,11 +103,7 @@ def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> 
 def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: int, repeats: int) -> LatencyResult:
     import gguf
 
-    try:
-        import llama_cpp  # noqa: F401  (only to fail early with a clear message; it runs in a child process)
-    except ImportError as exc:
-        raise SystemExit("The llama.cpp backend needs the `llama-cpp-python` package (it builds llama.cpp from "
-                         "source, ~15-20 min on 2 cores): pip install 'pagellm[llamacpp]'.") from exc
+    require_binding()
     command = [sys.executable, "-m", "pagellm.benchmarks.llama_cpp_peer", str(gguf_path), "--prompt",
                ",".join(map(str, prompt)), "--output-len", str(output_len), "--repeats", str(repeats),
                "--threads", str(torch.get_num_threads())]

@@ -1,9 +1,12 @@
-"""`pagellm bench throughput`: offline throughput on random-token prompts, beside Hugging Face transformers.
+"""`pagellm bench throughput`: offline throughput on random-token prompts, beside Hugging Face transformers and
+llama.cpp.
 
 Each request gets a prompt of random token ids and a fixed number of output tokens (ignore_eos), lengths drawn
-uniformly from the given ranges. Both backends run the same requests with greedy decoding in this process, on
-the same threads and dtype; `--backend hf` batches like vLLM's HF baseline (left padding, `generate` per batch
-with max_new_tokens = the batch's longest output). Figures are tokens the requests asked for, never padding.
+uniformly from the given ranges. Every backend runs the same requests with greedy decoding on the same threads;
+`--backend hf` batches like vLLM's HF baseline (left padding, `generate` per batch with max_new_tokens = the
+batch's longest output), in this process and dtype; `--backend llama.cpp` runs the GGUF file through
+`llama-cpp-python` in a child process, one request after another (its binding gives one sequence per context).
+Figures are tokens the requests asked for, never padding.
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=parse_range, default=(32, 512), help="N or MIN:MAX prompt tokens")
     parser.add_argument("--output-len", type=parse_range, default=(32, 256), help="N or MIN:MAX output tokens")
     parser.add_argument("--dataset-seed", type=int, default=0)
-    parser.add_argument("--backend", choices=["pagellm", "hf", "both"], default="pagellm")
+    parser.add_argument("--backend", choices=["pagellm", "hf", "llama.cpp", "both", "all"], default="pagellm",
+                        help="both: pagellm and hf; all: also llama.cpp (a GGUF model; one sequence at a time)")
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
     parser.add_argument("--hf-max-len", type=int, default=2048,
                         help="longest padded prompt + output of one HF generate call (as vLLM's HF baseline)")
@@ -111,6 +115,26 @@ def run_hf(model, requests: list[BenchRequest], pad_token_id: int, max_batch_siz
                        sum(r.output_len for r in requests))
 
 
+def run_llama_cpp(gguf_path: str, requests: list[BenchRequest]) -> BenchResult:
+    """llama.cpp through its Python binding, in a child process: one context serving the requests in turn."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from pagellm.benchmarks.llama_cpp_peer import require_binding
+
+    require_binding()
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump([[r.prompt_token_ids, r.output_len] for r in requests], f)
+        f.flush()
+        command = [sys.executable, "-m", "pagellm.benchmarks.llama_cpp_peer", gguf_path, "--requests", f.name,
+                   "--threads", str(torch.get_num_threads())]
+        seconds = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)["seconds"]
+    return BenchResult("llama.cpp", seconds, len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                       sum(r.output_len for r in requests))
+
+
 def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
@@ -132,10 +156,14 @@ def run(args: argparse.Namespace) -> None:
           f"{args.output_len[0]}:{args.output_len[1]} tokens; {model_config.dtype}, {device}, "
           f"{torch.get_num_threads()} threads; measured matmul peak {peak / 1e9:.1f} GFLOP/s")
 
+    if args.backend in ("llama.cpp", "all") and not model_config.gguf_file:
+        raise SystemExit("the llama.cpp backend runs a GGUF model: pass --model FILE.gguf (or the default model)")
     results = []
-    if args.backend in ("pagellm", "both"):
+    if args.backend in ("pagellm", "both", "all"):
         results.append(run_pagellm(llm, requests))
-    if args.backend in ("hf", "both"):
+    if args.backend in ("llama.cpp", "all"):
+        results.append(run_llama_cpp(model_config.gguf_file, requests))
+    if args.backend in ("hf", "both", "all"):
         del llm  # free the KV pool before the baseline runs
         hf_model = load_hf_model(model_config.model, model_config.dtype, device)
         pad = model_config.hf_config.pad_token_id
@@ -144,6 +172,7 @@ def run(args: argparse.Namespace) -> None:
     print()
     for result in results:
         print(result.report(useful_flops, peak))
-    if len(results) == 2:
-        ours, theirs = results
-        print(f"pagellm / transformers total throughput: {theirs.elapsed / ours.elapsed:.2f}x")
+    ours = next((r for r in results if r.backend == "pagellm"), None)
+    for theirs in results:
+        if ours is not None and theirs is not ours:
+            print(f"pagellm / {theirs.backend} total throughput: {theirs.elapsed / ours.elapsed:.2f}x")

@@ -3,6 +3,7 @@ maths, and the F32 GGUF that llama.cpp's float32 run reads (written with the `gg
 from __future__ import annotations
 
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -92,3 +93,51 @@ def test_accuracy_of_int8_against_float32(tiny_model_factory, tmp_path):
     assert 1 < float32 and 1 < int8 and abs(int8 - float32) / float32 < 0.1  # a close but not identical model
     assert "per-token logprob difference: mean" in out
     assert "greedy tokens identical:" in out and "of 32" in out
+
+
+FAKE_LLAMA_CPP = '''
+import time
+
+
+class Llama:
+    """Stands in for llama_cpp.Llama: eval costs 1 ms plus 0.1 ms per token."""
+
+    def __init__(self, model_path, **kwargs):
+        open(model_path, "rb").close()
+
+    def reset(self):
+        pass
+
+    def eval(self, tokens):
+        time.sleep(0.001 + 0.0001 * len(tokens))
+'''
+
+
+def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
+    """The parent/child protocol of the llama.cpp backends (the real binding builds llama.cpp for ~15 minutes, so a
+    stand-in with known costs replaces it here; the figures in the README come from the real one)."""
+    from pagellm.benchmarks.latency import bench_llama_cpp
+    from pagellm.benchmarks.throughput import BenchRequest, run_llama_cpp
+
+    package = tmp_path / "fake" / "llama_cpp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    model = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(model), "llama")
+    writer.add_tensor("output.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    result = bench_llama_cpp("llama.cpp", model, list(range(100)), output_len=20, repeats=1)
+    assert 100 / 0.011 * 0.3 < result.prefill_tok_s <= 100 / 0.011  # one eval of 100 tokens: 11 ms
+    assert 20 / (20 * 0.0011) * 0.3 < result.decode_tok_s <= 1 / 0.0011  # one eval per token: 1.1 ms
+    assert result.weight_bytes == 4 * 32 * 4
+
+    served = run_llama_cpp(str(model), [BenchRequest(list(range(50)), 10), BenchRequest(list(range(30)), 5)])
+    expected = (0.001 + 0.005) + 9 * 0.0011 + (0.001 + 0.003) + 4 * 0.0011
+    assert expected <= served.elapsed < expected * 3 + 0.05
+    assert (served.prompt_tokens, served.output_tokens) == (80, 15)
