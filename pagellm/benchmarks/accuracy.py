@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> None:
     (base, base_greedy), (other, other_greedy) = results["none"], results[args.quantization or "none"]
     deltas = [abs(a - b) for a, b in zip(base, other)]
     same = sum(a == b for x, y in zip(base_greedy, other_greedy) for a, b in zip(x, y))
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(base_greedy, other_greedy)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+             for x, y in zip(base_greedy, other_greedy)]
     print(f"perplexity over {len(base)} tokens of {args.text}: float32 {math.exp(-sum(base) / len(base)):.3f}, "
           f"{args.quantization} {math.exp(-sum(other) / len(other)):.3f}")
     print(f"per-token logprob difference: mean {sum(deltas) / len(deltas):.4f}, max {max(deltas):.4f}")
