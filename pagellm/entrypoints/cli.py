@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from pagellm.engine.arg_utils import EngineArgs
@@ -31,38 +32,19 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def _bench_throughput(args: argparse.Namespace) -> int:
-    from pagellm.benchmarks.throughput import run
-
-    run(args)
-    return 0
-
-
-def _bench_latency(args: argparse.Namespace) -> int:
-    from pagellm.benchmarks.latency import run
-
-    run(args)
-    return 0
+# Benchmarks that run an engine in this process: name -> help. Each module pagellm.benchmarks.<name> has
+# add_cli_args(parser) and run(args), and takes the engine flags.
+_ENGINE_BENCHMARKS = {
+    "throughput": "offline throughput, optionally against transformers and llama.cpp",
+    "latency": "prefill and decode tok/s at fixed batch sizes, beside transformers and llama.cpp",
+    "sweep": "throughput and time per output token against concurrency, to CSV and PNG",
+    "accuracy": "perplexity and greedy agreement of --quantization against float32",
+    "sharing": "KV blocks saved by sharing for n > 1 and beam search",
+}
 
 
-def _bench_sweep(args: argparse.Namespace) -> int:
-    from pagellm.benchmarks.sweep import run
-
-    run(args)
-    return 0
-
-
-def _bench_accuracy(args: argparse.Namespace) -> int:
-    from pagellm.benchmarks.accuracy import run
-
-    run(args)
-    return 0
-
-
-def _bench_sharing(args: argparse.Namespace) -> int:
-    from pagellm.benchmarks.sharing import run
-
-    run(args)
+def _run_engine_benchmark(args: argparse.Namespace) -> int:
+    importlib.import_module(f"pagellm.benchmarks.{args.bench_command}").run(args)
     return 0
 
 
@@ -109,31 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=_serve)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    throughput = bench.add_parser("throughput", help="offline throughput, optionally against transformers")
-    from pagellm.benchmarks.throughput import add_cli_args
-
-    add_cli_args(throughput)
-    EngineArgs.add_cli_args(throughput)
-    throughput.set_defaults(handler=_bench_throughput)
-    latency = bench.add_parser("latency", help="prefill and decode tok/s at fixed batch sizes, beside transformers "
-                                               "and llama.cpp")
-    from pagellm.benchmarks.latency import add_cli_args as add_latency_args
-
-    add_latency_args(latency)
-    EngineArgs.add_cli_args(latency)
-    latency.set_defaults(handler=_bench_latency)
-    sweep = bench.add_parser("sweep", help="throughput and time per output token against concurrency, to CSV and PNG")
-    from pagellm.benchmarks.sweep import add_cli_args as add_sweep_args
-
-    add_sweep_args(sweep)
-    EngineArgs.add_cli_args(sweep)
-    sweep.set_defaults(handler=_bench_sweep)
-    accuracy = bench.add_parser("accuracy", help="perplexity and greedy agreement of --quantization against float32")
-    from pagellm.benchmarks.accuracy import add_cli_args as add_accuracy_args
-
-    add_accuracy_args(accuracy)
-    EngineArgs.add_cli_args(accuracy)
-    accuracy.set_defaults(handler=_bench_accuracy)
+    for name, help_text in _ENGINE_BENCHMARKS.items():
+        benchmark = bench.add_parser(name, help=help_text)
+        importlib.import_module(f"pagellm.benchmarks.{name}").add_cli_args(benchmark)
+        EngineArgs.add_cli_args(benchmark)
+        benchmark.set_defaults(handler=_run_engine_benchmark)
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
     from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
 
@@ -145,12 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_soak_args(soak)
     soak.set_defaults(handler=_bench_soak)
-    sharing = bench.add_parser("sharing", help="KV blocks saved by sharing for n > 1 and beam search")
-    from pagellm.benchmarks.sharing import add_cli_args as add_sharing_args
-
-    add_sharing_args(sharing)
-    EngineArgs.add_cli_args(sharing)
-    sharing.set_defaults(handler=_bench_sharing)
     return parser
 
 
