@@ -1,7 +1,7 @@
 """Paged decode attention on the CPU: the C kernel (built on first use by `kernels.build`) and its caller.
 
-Calls go through ctypes, which releases the GIL, so a small thread pool splits the batch across cores. When the
-kernel cannot be built, `load()` returns None and the attention layer uses its PyTorch path.
+The kernel spreads (sequence, kv head) pairs over OpenMP threads itself. When it cannot be built, `load()` returns
+None and the attention layer uses its PyTorch path.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotation tables for every position; `tables(positions)` once per forward, then `forward` in each layer."""
+    """Rotation tables for every position; `tables(positions, hidden)` once per forward, then `forward` in each layer."""
 
     def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
         super().__init__()
@@ -48,10 +48,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def tables(self, positions: torch.Tensor,
+               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(positions, cos, sin), cos and sin [T, 1, head_dim]: gathered once per forward pass for every layer,
-        or None when the C kernel applies (it reads the full tables by position)."""
-        if elementwise.applies(self.cos_cache):
+        or None when the C kernel applies to these activations (it reads the full tables by position)."""
+        if elementwise.applies(hidden):
             return positions, None, None
         return positions, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
@@ -59,7 +60,7 @@ class RotaryEmbedding(nn.Module):
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]. The C path rotates them in place."""
         positions, cos, sin = tables
-        if cos is None and elementwise.applies(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        if cos is None and q.stride(-1) == 1 and k.stride(-1) == 1:
             elementwise.rope_(q, positions, self.cos_cache, self.sin_cache)
             elementwise.rope_(k, positions, self.cos_cache, self.sin_cache)
             return q, k

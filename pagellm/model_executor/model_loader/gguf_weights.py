@@ -11,14 +11,11 @@ import os
 from collections.abc import Iterator
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, quants
 
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.model_loader.gguf_loader import (ROPE_FREQS, gguf_source, gguf_tensor_index,
                                                              hf_tensor_name, unpermute_rows)
-
-_FLOAT_TYPES = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16,
-                GGMLQuantizationType.BF16: torch.bfloat16}
 
 
 def _read_file(path: str | os.PathLike) -> torch.Tensor:
@@ -46,11 +43,8 @@ def iterate_gguf_weights(model_dir: str | os.PathLike,
         weight: torch.Tensor | PackedTensor
         if len(shape) == 2 and qtype != GGMLQuantizationType.F32:
             weight = PackedTensor(qtype, raw.view(shape[0], -1), shape)
-        elif qtype in _FLOAT_TYPES:
-            weight = raw.view(_FLOAT_TYPES[qtype]).view(shape).float()
-        else:
-            raise ValueError(f"GGUF tensor {entry['name']!r} of type {qtype.name} has shape {shape}; only matrices "
-                             f"may be quantized.")
+        else:  # norms (and float32 matrices): float32, as the gguf package dequantizes them
+            weight = torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(shape)
         permute_heads = heads if ".attn_q." in entry["name"] else kv_heads if ".attn_k." in entry["name"] else 0
         if permute_heads and isinstance(weight, PackedTensor):
             weight.data = unpermute_rows(weight.data, permute_heads)

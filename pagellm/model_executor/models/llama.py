@@ -103,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
             hidden = self._fused.forward(hidden, positions, kv_caches, meta.slot_mapping, meta.decode_block_tables,
                                          meta.decode_seq_lens)
             return self.norm(hidden)
-        rope = self.rotary_emb.tables(positions)
+        rope = self.rotary_emb.tables(positions, hidden)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
