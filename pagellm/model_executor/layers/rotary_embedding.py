@@ -37,7 +37,7 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotation tables for every position; `tables(positions, hidden)` once per forward, then `forward` in each layer."""
+    """Rotation tables for every position: `tables(positions, hidden)` once per forward, `forward` in each layer."""
 
     def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
         super().__init__()
