@@ -78,8 +78,12 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None: derived from free memory
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 4 << 30  # the host-memory block tier (swap-out and second-level prefix cache)
 
     def __post_init__(self) -> None:
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space must not be negative, got {self.swap_space_bytes} bytes; fix --swap-space.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -88,14 +92,31 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "short-first")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 @dataclass
 class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    # short-first: a request that has waited this long goes ahead of every shorter one (the starvation bound).
+    short_first_max_wait: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}; fix --scheduling-policy.")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got "
+                             f"{self.preemption_mode!r}; fix --preemption-mode.")
+        if self.short_first_max_wait < 0:
+            raise ValueError(f"short_first_max_wait must not be negative, got {self.short_first_max_wait}; fix "
+                             f"--short-first-max-wait.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:

@@ -33,7 +33,12 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests finished since the last step: workers drop their per-request state (e.g. seeded generators).
     finished_req_ids: list[str] = field(default_factory=list)
-    # (source, destination) KV blocks to copy before the forward pass: copy-on-write of shared blocks.
+    # Block moves the workers make before the forward pass, in this order: (device block, host block) pairs to
+    # copy out to the host tier, (host block, device block) pairs to copy back in, then (source, destination)
+    # device blocks to copy (copy-on-write of shared blocks). Swaps come first because a device block evicted
+    # this step may be handed to a request that the same step writes or swaps into.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from pagellm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_device,
-                            resolve_dtype)
+from pagellm.config import (PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
+                            ModelConfig, SchedulerConfig, resolve_device, resolve_dtype)
 from pagellm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagellm.model_executor.model_loader.gguf_loader import gguf_source
 from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir
@@ -34,6 +34,11 @@ class EngineArgs:
     served_model_name: str | None = None
     max_logprobs: int = 20
     quantization: str | None = None  # None: "gguf" for a GGUF model on the CPU in float32, else "none"
+    enable_prefix_caching: bool = True
+    swap_space: float = 4.0  # GiB of host memory for the host block tier
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    short_first_max_wait: float = 10.0  # seconds
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -62,9 +67,11 @@ class EngineArgs:
         )
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization),
+            cache_config=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization,
+                                     self.enable_prefix_caching, int(self.swap_space * (1 << 30))),
             scheduler_config=SchedulerConfig(max_model_len, self.max_num_seqs, self.max_num_batched_tokens,
-                                             self.enable_chunked_prefill),
+                                             self.enable_chunked_prefill, self.scheduling_policy,
+                                             self.preemption_mode, self.short_first_max_wait),
             device_config=DeviceConfig(device),
         )
 
@@ -126,6 +133,21 @@ class EngineArgs:
                             help="weight storage: gguf (GGUF blocks kept packed, CPU kernels), int8 (float "
                                  "checkpoints quantized to Q8_0 blocks), none (float). Default: gguf for a .gguf "
                                  "model on the CPU, none otherwise")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                            default=EngineArgs.enable_prefix_caching,
+                            help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "
+                                 "turns it off)")
+        parser.add_argument("--swap-space", type=float, default=EngineArgs.swap_space,
+                            help="GiB of host memory for the host KV block tier (swap preemption and the "
+                                 "second-level prefix cache); 0 turns the tier off")
+        parser.add_argument("--preemption-mode", default=EngineArgs.preemption_mode, choices=PREEMPTION_MODES,
+                            help="what a preempted request's K/V becomes: recomputed later, or swapped to the host "
+                                 "tier and back (recompute when the host tier is full)")
+        parser.add_argument("--scheduling-policy", default=EngineArgs.scheduling_policy, choices=SCHEDULING_POLICIES,
+                            help="fcfs: arrival order; priority: the request's priority (lower first), preempting "
+                                 "lower-priority work; short-first: fewest remaining tokens first, with ageing")
+        parser.add_argument("--short-first-max-wait", type=float, default=EngineArgs.short_first_max_wait,
+                            help="short-first: seconds after which a waiting request goes ahead of shorter ones")
         return parser
 
     @classmethod

@@ -24,6 +24,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop", "length"; None while running
     stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
     first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass

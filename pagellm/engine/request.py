@@ -48,6 +48,8 @@ class Request:
     max_tokens: int
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # with --scheduling-policy priority: lower runs first, ties by arrival (vLLM's convention)
+    cache_salt: str | None = None  # mixed into the first block's hash: different salts share no cached blocks
     first_scheduled_time: float | None = None
     # The user's request id, and which of its sequences this is: with n > 1 the first sample forks the request
     # into n sequences (`{group_id}/{index}` for index > 0) that share the prompt's KV blocks.
@@ -71,6 +73,11 @@ class Request:
     beam_group: BeamGroup | None = None
     beam_candidates: tuple[list[int], list[float]] | None = None
 
+    # Prefix caching: the chained hash of each full block of all_token_ids (extended by the KV cache manager as
+    # tokens arrive), and how many prompt tokens the first admission found in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.group_id = self.group_id or self.request_id
@@ -85,6 +92,7 @@ class Request:
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.logprobs = list(self.logprobs)
+        child.block_hashes = list(self.block_hashes)
         child.prompt_logprobs = []  # reported once, by the group's first sequence
         child.beam_candidates = None
         return child

@@ -17,6 +17,18 @@ class SchedulerStats:
     num_used_blocks: int
     num_blocks: int
     num_preemptions_total: int
+    # Prefix cache, cumulative in tokens: looked up and found by new requests (a preempted request finding its
+    # own blocks again is counted apart, so it does not inflate the hit rate).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
+    # Tokens stored / capacity of the blocks requests hold (shared blocks counted once).
+    kv_cache_token_efficiency: float = 1.0
+    num_used_host_blocks: int = 0
+    num_host_blocks: int = 0
+    num_swapped_out_blocks_total: int = 0
+    num_swapped_in_blocks_total: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
