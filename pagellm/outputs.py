@@ -36,3 +36,5 @@ class RequestOutput:
     finished: bool = False
     # None for the first prompt token, then one dict per prompt token (when prompt_logprobs was requested).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Prompt tokens whose K/V came from the prefix cache (None until the request was first scheduled).
+    num_cached_tokens: int | None = None

@@ -1,9 +1,24 @@
-"""Block tables: which physical blocks hold each request's K/V, grown on demand, shared between forked sequences
-(n > 1, beam search) and copied on write, freed at once."""
+"""Block tables over a two-tier memory: which physical blocks hold each request's K/V, grown on demand, shared
+between forked sequences (n > 1, beam search) and copied on write, reused across requests through the prefix
+cache, and moved to and from host memory.
+
+Prefix cache: once a full block's K/V are computed it is indexed under its chained hash (see block_hash.py). A new
+request takes every cached block of its prefix and computes only the rest. Freed blocks stay cached until the
+pool needs them (see BlockPool).
+
+Host tier (when it has blocks): a second BlockPool whose blocks mirror device blocks in host memory. A cached
+device block that is evicted is copied to a host block first, keeping its hash, and a later prefix hit on it is
+copied back instead of recomputed; a request preempted by swapping has all its blocks copied out and back in.
+The copies are only listed here (`take_transfers`); the workers make them before the step's forward pass. Host
+blocks a step's copies read or write are held until the step has run (`finish_step`), so no later decision in the
+same step can reuse them.
+"""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
+from pagellm.core.block_hash import extend_block_hashes
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.engine.request import Request
 
@@ -12,13 +27,53 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(slots=True)
+class ComputedBlocks:
+    """A request's prefix found in the cache: blocks on the device, then blocks only the host tier still has."""
+
+    device: list[KVCacheBlock] = field(default_factory=list)
+    host: list[KVCacheBlock] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.host)
+
+
+@dataclass(slots=True)
+class Transfers:
+    """The block moves one step owes the workers, in the order they are made (see SchedulerOutput)."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (device source, device destination)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative, in tokens. A preempted request finding its own blocks again is counted apart."""
+
+    queries: int = 0
+    hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, on_evict=self._save_to_host if num_host_blocks else None)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # (source, destination) block copies owed to the workers before the next forward pass.
-        self._pending_copies: list[tuple[int, int]] = []
+        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}  # requests swapped out to the host tier
+        self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are indexed
+        self._transfers = Transfers()
+        self._held_host_blocks: list[KVCacheBlock] = []  # read or written by this step's copies
+        self.prefix_stats = PrefixCacheStats()
+        # Blocks copied to and from the host tier (swap preemption and the second-level prefix cache).
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -32,52 +87,204 @@ class KVCacheManager:
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more K/V entries after `request.num_computed_tokens`.
+    # ---- prefix cache ---------------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of the request's tokens, in whole blocks, leaving at least its last token to
+        compute (its logits are needed). Changes nothing; `allocate_slots` takes the blocks."""
+        computed = ComputedBlocks()
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return computed  # cached positions have no logits to report
+        hashes = self._block_hashes(request)
+        for block_hash in hashes[:(request.num_tokens - 1) // self.block_size]:
+            block = None if computed.host else self.block_pool.lookup(block_hash)
+            if block is not None:
+                computed.device.append(block)
+                continue
+            block = self.host_pool.lookup(block_hash) if self.host_pool is not None else None
+            if block is None:
+                break
+            computed.host.append(block)
+        return computed
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        return request.block_hashes
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Index the request's blocks whose K/V are now all computed (called after each step that ran it)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        for index in range(start, num_full):
+            self.block_pool.cache(blocks[index], hashes[index])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody holds (after a failed step, whose copies may not have happened)."""
+        self.finish_step()
+        self.block_pool.reset_cache()
+        if self.host_pool is not None:
+            self.host_pool.reset_cache()
+
+    # ---- allocation -----------------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
+        """Make room for `num_new_tokens` more K/V entries after the request's computed tokens, taking first the
+        cached prefix blocks `computed` (for a request with no blocks yet) or swapping its blocks back in (a
+        request preempted by swapping); `request.num_computed_tokens` then moves past the blocks taken.
 
         The first slot written may lie in a partly filled block another sequence also holds (after a fork): that
         block is copied on write, so the other holders keep their K/V. Returns False, changing nothing, when the
         pool is too small right now (the caller may preempt).
         """
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        first = request.num_computed_tokens // self.block_size
+        request_id = request.request_id
+        computed = computed or ComputedBlocks()
+        blocks = self.req_to_blocks.get(request_id, [])
+        swapped = self.req_to_host_blocks.get(request_id, [])
+        num_computed = request.num_computed_tokens + computed.num_blocks * self.block_size
+        first = num_computed // self.block_size
         copy_on_write = num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1
-        needed = self.num_blocks_for_tokens(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if max(needed, 0) + copy_on_write > self.block_pool.num_free_blocks:
+        num_held = len(blocks) + computed.num_blocks + len(swapped)
+        num_fresh = max(self.num_blocks_for_tokens(num_computed + num_new_tokens) - num_held, 0)
+        # Cached hits nobody holds are counted as free, but taking them makes them unavailable.
+        free = self.block_pool.num_free_blocks - sum(block.ref_cnt == 0 for block in computed.device)
+        if num_fresh + copy_on_write + len(computed.host) + len(swapped) > free:
             return False
+
+        if computed.num_blocks:
+            self._record_hit(request, computed.num_blocks * self.block_size)
+        self.block_pool.touch(computed.device)
+        blocks = blocks + computed.device
+        if computed.host:
+            blocks += self._load_from_host(computed.host, release=False)
+        if swapped:
+            blocks += self._load_from_host(self.req_to_host_blocks.pop(request_id), release=True)
         if copy_on_write:
             shared = blocks[first]
             (private,) = self.block_pool.allocate(1)
             self.block_pool.free([shared])
             blocks[first] = private
-            self._pending_copies.append((shared.block_id, private.block_id))
-        if needed > 0:
-            self.req_to_blocks[request.request_id] = blocks + self.block_pool.allocate(needed)
+            self._transfers.copies.append((shared.block_id, private.block_id))
+        self.req_to_blocks[request_id] = blocks + self.block_pool.allocate(num_fresh)
+        if computed.num_blocks or swapped:
+            # Blocks that arrived whole are indexed now: their K/V are in place before the forward pass reads them.
+            request.num_computed_tokens = num_computed
+            self.cache_full_blocks(request)
         return True
+
+    def _record_hit(self, request: Request, num_tokens: int) -> None:
+        if request.num_preemptions:
+            self.prefix_stats.preempted_hits += num_tokens
+        else:
+            self.prefix_stats.hits += num_tokens
+
+    def record_query(self, request: Request) -> None:
+        """Count a request's admission as a prefix-cache query of all its tokens (vLLM's convention, although the
+        last one is always computed)."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return
+        if request.num_preemptions:
+            self.prefix_stats.preempted_queries += request.num_tokens
+        else:
+            self.prefix_stats.queries += request.num_tokens
+
+    def _load_from_host(self, host_blocks: list[KVCacheBlock], release: bool) -> list[KVCacheBlock]:
+        """Fresh device blocks receiving copies of `host_blocks` this step. The host blocks are held until the step
+        is over; `release` drops the caller's own reference to them then (a swapped-out request's blocks)."""
+        if not release:
+            # Held before the device allocation below, whose evictions take host blocks.
+            self.host_pool.touch(host_blocks)
+        self._held_host_blocks += host_blocks
+        device_blocks = self.block_pool.allocate(len(host_blocks))
+        self._transfers.swap_in += [(h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks)]
+        self.num_swapped_in_blocks += len(host_blocks)
+        return device_blocks
+
+    def _save_to_host(self, block: KVCacheBlock) -> None:
+        """Eviction hook of the device pool: keep a copy of the cached block in the host tier when a host block is
+        free (the host tier evicts its own least recently used copy for it)."""
+        if block.block_hash in self.host_pool.cached or not self.host_pool.num_free_blocks:
+            return
+        (host_block,) = self.host_pool.allocate(1)
+        self.host_pool.cache(host_block, block.block_hash)
+        self._transfers.swap_out.append((block.block_id, host_block.block_id))
+        self._held_host_blocks.append(host_block)
+        self.num_swapped_out_blocks += 1
+
+    def can_swap_out(self, request: Request) -> bool:
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        return self.host_pool is not None and 0 < len(blocks) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> None:
+        """Preemption by swapping: copy the request's blocks to host blocks it holds until it resumes, and free its
+        device blocks (cached ones stay cached)."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        host_blocks = self.host_pool.allocate(len(blocks))
+        self._transfers.swap_out += [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
+        self.host_pool.touch(host_blocks)  # held by the step's copy, and by the request
+        self._held_host_blocks += host_blocks
+        self.req_to_host_blocks[request.request_id] = host_blocks
+        self.num_swapped_out_blocks += len(blocks)
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free(blocks)
+
+    def is_swapped_out(self, request: Request) -> bool:
+        return request.request_id in self.req_to_host_blocks
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's block table, sharing every block (the child has the same tokens)."""
         blocks = self.req_to_blocks.get(parent.request_id, [])
-        self.block_pool.share(blocks)
+        self.block_pool.touch(blocks)
         self.req_to_blocks[child.request_id] = list(blocks)
+        self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
+    def take_transfers(self) -> Transfers:
+        transfers, self._transfers = self._transfers, Transfers()
+        return transfers
+
+    def finish_step(self) -> None:
+        """The step's copies are done: release the host blocks they held."""
+        if self._held_host_blocks:
+            self.host_pool.free(self._held_host_blocks)
+            self._held_host_blocks = []
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     def free(self, request: Request) -> None:
+        """Release everything the request holds, in either tier."""
+        self._num_cached_blocks.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free(blocks)
+        host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
+        if host_blocks:
+            self.host_pool.free(host_blocks)
+
+    def token_efficiency(self, num_computed: dict[str, int]) -> float:
+        """Tokens stored / capacity of the blocks requests hold, each physical block counted once. `num_computed`:
+        request id -> its computed tokens."""
+        fill: dict[int, int] = {}
+        for request_id, blocks in self.req_to_blocks.items():
+            tokens = num_computed.get(request_id, 0)
+            for index, block in enumerate(blocks):
+                stored = min(max(tokens - index * self.block_size, 0), self.block_size)
+                fill[block.block_id] = max(fill.get(block.block_id, 0), stored)
+        return sum(fill.values()) / (len(fill) * self.block_size) if fill else 1.0
 
     def check_consistency(self, live_request_ids: set[str]) -> None:
-        """Raise RuntimeError unless only live requests hold block tables and every block's ref count equals the
-        number of tables holding it (checked after a failed step, before the engine goes on)."""
-        stray = set(self.req_to_blocks) - live_request_ids
+        """Raise RuntimeError unless only live requests hold blocks and every block's ref count equals the number of
+        holders, in both tiers (checked after a failed step, before the engine goes on)."""
+        stray = (set(self.req_to_blocks) | set(self.req_to_host_blocks)) - live_request_ids
         if stray:
             raise RuntimeError(f"Finished requests still hold KV blocks: {sorted(stray)[:10]}.")
         self.block_pool.check_ref_counts(Counter(b.block_id for blocks in self.req_to_blocks.values()
                                                  for b in blocks))
+        if self.host_pool is not None:
+            holders = Counter(b.block_id for blocks in self.req_to_host_blocks.values() for b in blocks)
+            holders.update(b.block_id for b in self._held_host_blocks)
+            self.host_pool.check_ref_counts(holders)

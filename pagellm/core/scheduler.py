@@ -1,9 +1,13 @@
-"""Continuous batching under a token budget, with chunked prefill and recompute preemption.
+"""Continuous batching under a token budget, with chunked prefill, prefix caching and preemption.
 
 There are no prefill or decode phases: every request has `num_computed_tokens`, and each step the scheduler
-hands out tokens (running requests first, then waiting ones in arrival order) until the budget
-`max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer than the remaining budget is split
-into chunks (when chunked prefill is on), so decodes never stall behind it.
+hands out tokens (running requests first, then waiting ones in the policy's order, see sched_policy.py) until the
+budget `max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer than the remaining budget is split
+into chunks (when chunked prefill is on), so decodes never stall behind it. A request admitted with a cached
+prefix (see KVCacheManager) starts with those tokens computed.
+
+When the KV pool runs out, a running request is preempted: its K/V are dropped and recomputed later, or, with
+`preemption_mode="swap"`, copied to the host tier and back (recompute when the host tier is full).
 
 Sequences of one user request (n > 1, beam search) are Requests with the same `group_id`; they are forked from
 one another and share KV blocks (see KVCacheManager). Aborting a group id aborts all of them.
@@ -23,6 +27,7 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched_policy import SchedulingPolicy
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.exceptions import InvalidRequestError
 from pagellm.logger import init_logger
@@ -35,6 +40,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.policy = SchedulingPolicy(config)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -76,6 +82,18 @@ class Scheduler:
         for group_id, error in errors.items():
             self._failed_groups.setdefault(group_id, error)
             self.abort_requests([group_id], RequestStatus.FINISHED_ERROR)
+
+    def recover_from_failed_step(self, output: SchedulerOutput, error: str) -> None:
+        """A step failed as a whole, perhaps before its block copies: fail the requests it ran, recompute the ones
+        it swapped out instead of trusting their host copies, and forget cached blocks nobody holds."""
+        self.fail_requests({r.request_id: error for r in output.scheduled})
+        manager = self.kv_cache_manager
+        for request_id in output.preempted_req_ids:
+            request = self.requests.get(request_id)
+            if request is not None and manager.is_swapped_out(request):
+                manager.free(request)
+                request.num_computed_tokens = 0
+        manager.reset_prefix_cache()
 
     def take_failed_groups(self) -> dict[str, str]:
         failed, self._failed_groups = self._failed_groups, {}
@@ -138,15 +156,27 @@ class Scheduler:
         return fitting
 
     def stats(self) -> SchedulerStats:
-        pool = self.kv_cache_manager.block_pool
-        return SchedulerStats(len(self.running), len(self.waiting), pool.num_used_blocks, pool.num_blocks,
-                              self.num_preemptions_total)
+        manager = self.kv_cache_manager
+        pool, host_pool, prefix = manager.block_pool, manager.host_pool, manager.prefix_stats
+        efficiency = manager.token_efficiency({r.request_id: r.num_computed_tokens for r in self.running})
+        return SchedulerStats(
+            len(self.running), len(self.waiting), pool.num_used_blocks, pool.num_blocks, self.num_preemptions_total,
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+            prefix_cache_preempted_queries=prefix.preempted_queries,
+            prefix_cache_preempted_hits=prefix.preempted_hits, kv_cache_token_efficiency=efficiency,
+            num_used_host_blocks=host_pool.num_used_blocks if host_pool else 0,
+            num_host_blocks=host_pool.num_blocks if host_pool else 0,
+            num_swapped_out_blocks_total=manager.num_swapped_out_blocks,
+            num_swapped_in_blocks_total=manager.num_swapped_in_blocks)
 
     # ---- one step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         token_budget = self.config.max_num_batched_tokens
+        self.policy.order_waiting(self.waiting)
+        self._preempt_for_priority(output)
+        preempted_for_priority = len(output.preempted_req_ids)
 
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -156,42 +186,74 @@ class Scheduler:
                 index += 1
                 continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                # Only requests not yet scheduled this step may go.
+                victim = self.policy.pick_victim(self.running[index:])
+                self.running.remove(victim)
                 self._preempt(victim)
                 output.preempted_req_ids.append(victim.request_id)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
-                break
+                continue  # preempted itself; the request now at `index` is the next one
             output.scheduled.append(self._schedule(request, num_new))
             token_budget -= num_new
             index += 1
 
-        # Admitting new work while preempting would only thrash the cache.
-        if not output.preempted_req_ids:
+        # Admitting new work while running requests are short of blocks would only thrash the cache.
+        if len(output.preempted_req_ids) == preempted_for_priority:
             self._admit_waiting(output, token_budget)
         if not output.scheduled and self.waiting and self.running:
             self._make_room_for_waiting(output)
             self._admit_waiting(output, token_budget)
-        output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
+        transfers = self.kv_cache_manager.take_transfers()
+        output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
+        output.blocks_to_copy = transfers.copies
         return output
+
+    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
+        """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its
+        first chunk), preempt the lowest-priority running request if it ranks strictly below it."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        manager = self.kv_cache_manager
+        first_chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
+        need = manager.num_blocks_for_tokens(head.num_computed_tokens + first_chunk)
+        while self.running:
+            fits = (self._num_slots_in_use() + self._num_sequences(head) <= self.config.max_num_seqs
+                    and manager.block_pool.num_free_blocks >= need)
+            victim = self.policy.pick_victim(self.running)
+            if fits or not self.policy.outranks(head, victim):
+                return
+            self.running.remove(victim)
+            self._preempt(victim, to_front=False)
+            output.preempted_req_ids.append(victim.request_id)
 
     def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
         slots_in_use = self._num_slots_in_use()
         while self.waiting and token_budget > 0:
             request = self.waiting[0]
+            if request.request_id in output.preempted_req_ids:
+                break  # preempted this step to make room: it waits for the next one
             if slots_in_use + self._num_sequences(request) > self.config.max_num_seqs:
                 break
-            num_new = request.num_tokens - request.num_computed_tokens
+            manager = self.kv_cache_manager
+            swapped = manager.is_swapped_out(request)
+            computed = manager.get_computed_blocks(request) if not swapped else None
+            num_cached = computed.num_blocks * manager.block_size if computed else 0
+            num_new = request.num_tokens - request.num_computed_tokens - num_cached
             if num_new > token_budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, token_budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new):
+            if not manager.allocate_slots(request, num_new, computed):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if not swapped:
+                manager.record_query(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached
             self.running.append(request)
             slots_in_use += self._num_sequences(request)
             output.scheduled.append(self._schedule(request, num_new))
@@ -199,11 +261,14 @@ class Scheduler:
 
     @staticmethod
     def _num_sequences(request: Request) -> int:
-        """Sequence slots a request takes: n for one that will fork at its first sample (the slots of its future
-        sequences are held from admission on, prefill chunks included, so forks never take the running count over
-        max_num_seqs), else one."""
-        forks = request.num_output_tokens == 0 and request.beam_group is None
-        return request.sampling_params.n if forks else 1
+        """Sequence slots a request takes: n for one that will fork at its first sample, beam_width for the first
+        beam of a beam search (the slots of its future sequences are held from admission on, prefill chunks
+        included, so forks never take the running count over max_num_seqs), else one."""
+        if request.num_output_tokens:
+            return 1
+        if request.beam_group is not None:
+            return request.beam_group.params.beam_width if len(request.beam_group.beams) == 1 else 1
+        return request.sampling_params.n
 
     def _num_slots_in_use(self) -> int:
         return sum(self._num_sequences(r) for r in self.running)
@@ -244,11 +309,18 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request, to_front: bool = True) -> None:
-        """Recompute preemption: drop the K/V, keep the tokens, and go back to the front of the line."""
-        self.kv_cache_manager.free(request)
+        """Swap the request's K/V out to the host tier (preemption_mode="swap", when the host tier has room and
+        the request is not a beam) or drop them to be recomputed, keep the tokens, and go back in line (to its
+        front under fcfs)."""
+        manager = self.kv_cache_manager
+        if (self.config.preemption_mode == "swap" and request.beam_group is None
+                and manager.can_swap_out(request)):
+            manager.swap_out(request)
+        else:
+            manager.free(request)
+            request.num_computed_tokens = 0
+            request.beam_candidates = None  # sampled again after the recompute
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.beam_candidates = None  # sampled again after the recompute
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         if to_front:
@@ -269,6 +341,7 @@ class Scheduler:
         `failed`: request id -> why the worker could not compute it; those requests (and any whose update raises)
         fail with their groups (`fail_requests`) and are left out of the returned lists.
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
+        self.kv_cache_manager.finish_step()  # the step's block copies are done
         updated: list[Request] = []
         ready_groups: dict[str, BeamGroup] = {}
         # Keyed by group: a sibling that finished earlier in this update must not hide its group's failure.
@@ -303,6 +376,7 @@ class Scheduler:
         """Apply one scheduled request's results; returns its sequences that got a token (several when it
         forks)."""
         request.num_computed_tokens += scheduled.num_tokens
+        self.kv_cache_manager.cache_full_blocks(request)
         if prompt_logprobs and request.request_id in prompt_logprobs:
             first, entries = prompt_logprobs[request.request_id]
             have = len(request.prompt_logprobs)

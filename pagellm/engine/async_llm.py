@@ -95,15 +95,16 @@ class AsyncLLM:
         return cls(LLMEngine.from_engine_args(args), max_waiting_requests, log_stats)
 
     # ---- the asyncio side -----------------------------------------------------------------------------------
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as deltas (new text, token ids and logprobs of each CompletionOutput since
-        the previous yield); the last has `finished=True`. Bad input raises InvalidRequestError and a full waiting
-        queue QueueFullError, both before anything is yielded. Leaving the iteration early aborts the request."""
+        the previous yield); the last has `finished=True`. `priority`: lower runs first, with --scheduling-policy
+        priority. Bad input raises InvalidRequestError and a full waiting queue QueueFullError, both before
+        anything is yielded. Leaving the iteration early aborts the request."""
         if self._stopped_reason is not None:
             raise EngineDeadError(self._stopped_reason)
         arrival = time.monotonic()
-        request = self.input_processor.process(request_id, prompt, sampling_params)
+        request = self.input_processor.process(request_id, prompt, sampling_params, priority)
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
         loop = asyncio.get_running_loop()

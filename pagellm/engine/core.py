@@ -31,9 +31,12 @@ class EngineCore:
         self.config = config
         self.executor = UniProcExecutor(config)
         self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(self.num_blocks)
+        num_host_blocks = self.executor.determine_num_host_blocks()
+        self.executor.initialize_cache(self.num_blocks, num_host_blocks)
         self._log_cache(self.num_blocks)
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, config.cache_config.block_size)
+        cache_config = config.cache_config
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
@@ -96,7 +99,7 @@ class EngineCore:
                      len(output.scheduled), exc_info=exc)
         if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise RuntimeError(f"{self._consecutive_failed_steps} engine steps failed in a row.") from exc
-        self.scheduler.fail_requests({r.request_id: f"{type(exc).__name__}: {exc}" for r in output.scheduled})
+        self.scheduler.recover_from_failed_step(output, f"{type(exc).__name__}: {exc}")
         self.scheduler.check_consistency()
 
     @staticmethod
@@ -113,4 +116,4 @@ class EngineCore:
             else None,
             finish_reason=request.finish_reason if request.is_finished else None,
             stop_reason=request.stop_reason if request.is_finished else None,
-            first_scheduled_time=request.first_scheduled_time)
+            first_scheduled_time=request.first_scheduled_time, num_cached_tokens=request.num_cached_tokens)

@@ -1,7 +1,7 @@
 """Validates and tokenizes what users submit, turning it into engine Requests. Everything that depends on this
-engine (vocabulary, context length, sequence slots, KV pool size, max_logprobs) is checked here, so a request the
-engine could never serve is refused with an InvalidRequestError naming the field and the limit, before it is
-queued."""
+engine (vocabulary, context length, sequence slots, KV pool size, max_logprobs, scheduling policy, prefix caching)
+is checked here, so a request the engine could never serve is refused with an InvalidRequestError naming the field
+and the limit, before it is queued."""
 from __future__ import annotations
 
 from typing import Any, Union
@@ -13,13 +13,16 @@ from pagellm.engine.request import Request
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
-PromptType = Union[str, dict[str, Any]]  # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}
+# "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}; a dict may add "cache_salt": "..." (vLLM's).
+PromptType = Union[str, dict[str, Any]]
 
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, num_blocks: int, tokenizer, eos_token_ids: frozenset[int]) -> None:
         self.model_config = config.model_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.scheduling_policy = config.scheduler_config.scheduling_policy
+        self.enable_prefix_caching = config.cache_config.enable_prefix_caching
         self.block_size = config.cache_config.block_size
         self.num_blocks = num_blocks
         self.tokenizer = tokenizer
@@ -35,9 +38,11 @@ class InputProcessor:
         raise InvalidRequestError(f"A prompt must be a string, {{'prompt': str}} or "
                                   f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}.")
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Request:
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> Request:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        self._validate_priority(priority)
+        cache_salt = self._cache_salt(prompt)
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -47,8 +52,8 @@ class InputProcessor:
         # The scheduler also stops every request at max_model_len tokens in all.
         max_tokens = params.max_tokens or self.model_config.max_model_len
         return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text,
-                       bad_words_token_ids=bad_words_token_ids)
+                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text, priority=priority,
+                       cache_salt=cache_salt, bad_words_token_ids=bad_words_token_ids)
 
     def process_beam_search(self, request_id: str, prompt: PromptType,
                             params: BeamSearchParams) -> tuple[Request, BeamGroup]:
@@ -56,6 +61,7 @@ class InputProcessor:
         2 * beam_width most likely next tokens; the group's EOS handling replaces the per-request one."""
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        cache_salt = self._cache_salt(prompt)
         text, token_ids = self.tokenize(prompt)
         self._validate_tokens(token_ids)
         if params.beam_width > self.max_num_seqs:
@@ -71,8 +77,32 @@ class InputProcessor:
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, detokenize=False,
                                   logprobs=min(2 * params.beam_width, self.model_config.vocab_size))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling,
-                          eos_token_ids=self.eos_token_ids, max_tokens=params.max_tokens, prompt=text)
+                          eos_token_ids=self.eos_token_ids, max_tokens=params.max_tokens, prompt=text,
+                          cache_salt=cache_salt)
         return request, BeamGroup(request_id, params, self.eos_token_ids)
+
+    def _validate_priority(self, priority: int) -> None:
+        """As vLLM: a priority only means something to the priority policy, so any other policy refuses one
+        rather than silently serving the request in another order."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r:.50}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError(f"priority must be 0 unless priority scheduling is enabled, got {priority} "
+                                      f"(the scheduling policy is {self.scheduling_policy}); start the engine with "
+                                      f"--scheduling-policy priority (scheduling_policy='priority').")
+
+    def _cache_salt(self, prompt: PromptType) -> str | None:
+        """The prompt's cache_salt (None without one). Without prefix caching a salt would be silently
+        meaningless, so it is refused."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is None:
+            return None
+        if not isinstance(salt, str) or not salt:
+            raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r:.50}.")
+        if not self.enable_prefix_caching:
+            raise InvalidRequestError("cache_salt needs prefix caching, which this engine has off "
+                                      "(--no-enable-prefix-caching); drop cache_salt or enable prefix caching.")
+        return salt
 
     def _check_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """The n sequences of a request must fit max_num_seqs, and the KV pool must hold them at their first

@@ -31,9 +31,10 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> int:
-        """Validate and queue a request; returns its prompt length. Raises ValueError on bad input."""
-        request = self.input_processor.process(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> int:
+        """Validate and queue a request (`priority`: lower runs first, with --scheduling-policy priority); returns
+        its prompt length. Raises ValueError on bad input."""
+        request = self.input_processor.process(request_id, prompt, params, priority)
         self.engine_core.add_request(request)
         self.output_processor.add_request(request)
         return request.num_prompt_tokens

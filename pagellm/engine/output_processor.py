@@ -54,6 +54,7 @@ class _RequestState:
     sequences: dict[int, _SequenceState] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -118,6 +119,7 @@ class OutputProcessor:
             sequence = self._add_sequence(state, output.index)
         if sequence.finished:  # stopped by a stop string; the core had one more step in flight
             return None
+        state.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = [None] + [self._to_logprobs(e) for e in output.prompt_logprobs]
         self._update_sequence(sequence, output, result)
@@ -161,7 +163,7 @@ class OutputProcessor:
         state.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=state.finished,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens)
 
     def _completion(self, state: _RequestState, sequence: _SequenceState, delta: bool) -> CompletionOutput:
         finished = sequence.finished

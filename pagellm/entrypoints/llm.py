@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -27,7 +27,7 @@ class LLM:
     every other keyword argument is an `EngineArgs` field with its default there (`tokenizer`, `dtype`, `device`,
     `seed`, `max_model_len`, `block_size`, `kv_cache_memory_bytes` (default: a share of free RAM on CPU, or
     `gpu_memory_utilization` of the device on CUDA), `max_num_seqs`, `max_num_batched_tokens`,
-    `enable_chunked_prefill`, `max_logprobs`, ...).
+    `enable_chunked_prefill`, `max_logprobs`, `enable_prefix_caching`, `scheduling_policy`, ...).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
@@ -40,8 +40,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for all prompts together; outputs come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for all prompts together; outputs come back in input order. A prompt dict may
+        carry a `cache_salt` (prompts share cached prefix blocks only with prompts of the same salt). `priority`:
+        one per prompt, lower first (needs scheduling_policy="priority")."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -54,7 +56,12 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass "
                                           f"one SamplingParams for all, or exactly one per prompt.")
-        return self._run(prompts, params_list, use_tqdm, self.llm_engine.add_request)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, Sequence) or len(priority) != len(prompts):
+            raise InvalidRequestError(f"priority must be a list of one int per prompt, i.e. {len(prompts)} ints; got "
+                                      f"{priority!r:.60}.")
+        return self._run(list(zip(prompts, params_list, priority)), use_tqdm, self.llm_engine.add_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -62,8 +69,7 @@ class LLM:
         whose `.sequences` are the beams, best first."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
-        return self._run(prompts, [params] * len(prompts), use_tqdm, self.llm_engine.add_beam_search_request)
+        return self._run([(prompt, params) for prompt in prompts], use_tqdm, self.llm_engine.add_beam_search_request)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -82,14 +88,15 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params_list: list, use_tqdm: bool, add_request) -> list:
+    def _run(self, requests: list[tuple], use_tqdm: bool, add_request: Callable[..., int]) -> list:
+        """Queue each request (`add_request(request_id, *arguments)`), then step until all have finished."""
         engine = self.llm_engine
         order: dict[str, int] = {}
         prompt_lens: dict[str, int] = {}
         try:
-            for prompt, params in zip(prompts, params_list):
+            for arguments in requests:
                 request_id = str(next(self._request_counter))
-                prompt_lens[request_id] = add_request(request_id, prompt, params)
+                prompt_lens[request_id] = add_request(request_id, *arguments)
                 order[request_id] = len(order)
         except Exception:
             engine.abort_request(list(order))  # all or nothing: nothing stays queued after bad input

@@ -23,8 +23,11 @@ class UniProcExecutor:
     def determine_num_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_blocks"))
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_blocks)
+    def determine_num_host_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_host_blocks"))
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.collective_rpc("initialize_cache", num_blocks, num_host_blocks)
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", output)[0]

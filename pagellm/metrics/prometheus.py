@@ -1,7 +1,8 @@
 """Prometheus metrics under vLLM's names (prefix `pagellm:`), in a registry of their own per server.
 
-Scheduler gauges (running, waiting, KV usage and blocks) and the preemption counter are read from the engine's latest
-scheduler snapshot at scrape time; token counters and latency histograms are recorded from IterationStats.
+Scheduler gauges (running, waiting, KV usage and blocks, token efficiency, the host tier) and cumulative counters
+(preemptions, prefix cache queries and hits, swapped blocks) are read from the engine's latest scheduler snapshot at
+scrape time; token counters and latency histograms are recorded from IterationStats.
 """
 from __future__ import annotations
 
@@ -22,6 +23,46 @@ _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     480.0, 960.0, 1920.0, 7680.0]
 
 
+def _host_kv_cache_usage(stats: SchedulerStats) -> float:
+    return stats.num_used_host_blocks / stats.num_host_blocks if stats.num_host_blocks else 0.0
+
+
+# (name, documentation, value from the snapshot)
+_SchedulerMetric = tuple[str, str, Callable[[SchedulerStats], float]]
+_SCHEDULER_GAUGES: tuple[_SchedulerMetric, ...] = (
+    ("pagellm:num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_running),
+    ("pagellm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_waiting),
+    ("pagellm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_cache_usage),
+    ("pagellm:kv_cache_used_blocks", "KV-cache blocks held by requests.", lambda s: s.num_used_blocks),
+    ("pagellm:kv_cache_num_blocks", "KV-cache blocks in the pool.", lambda s: s.num_blocks),
+    ("pagellm:kv_cache_token_efficiency",
+     "Tokens stored in the KV-cache blocks requests hold, over their capacity (shared blocks counted once).",
+     lambda s: s.kv_cache_token_efficiency),
+    ("pagellm:host_kv_cache_usage_perc", "Host (CPU) KV-cache tier usage. 1 means 100 percent usage.",
+     _host_kv_cache_usage),
+    ("pagellm:host_kv_cache_used_blocks", "Host KV-cache tier blocks in use.", lambda s: s.num_used_host_blocks),
+    ("pagellm:host_kv_cache_num_blocks", "Host KV-cache tier blocks in the pool.", lambda s: s.num_host_blocks),
+)
+_SCHEDULER_COUNTERS: tuple[_SchedulerMetric, ...] = (
+    ("pagellm:num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions_total),
+    ("pagellm:prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens (new requests; preempted ones are counted apart).",
+     lambda s: s.prefix_cache_queries),
+    ("pagellm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens (new requests).",
+     lambda s: s.prefix_cache_hits),
+    ("pagellm:prefix_cache_preempted_queries",
+     "Prefix cache queries of preempted requests coming back, in terms of number of queried tokens.",
+     lambda s: s.prefix_cache_preempted_queries),
+    ("pagellm:prefix_cache_preempted_hits",
+     "Prefix cache hits of preempted requests coming back, in terms of number of cached tokens.",
+     lambda s: s.prefix_cache_preempted_hits),
+    ("pagellm:num_swapped_out_blocks", "Cumulative number of KV blocks copied out to the host tier.",
+     lambda s: s.num_swapped_out_blocks_total),
+    ("pagellm:num_swapped_in_blocks", "Cumulative number of KV blocks copied back in from the host tier.",
+     lambda s: s.num_swapped_in_blocks_total),
+)
+
+
 class _SchedulerCollector(Collector):
     def __init__(self, model_name: str, scheduler_stats: Callable[[], SchedulerStats]) -> None:
         self._model_name = model_name
@@ -29,21 +70,11 @@ class _SchedulerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._scheduler_stats()
-        for name, documentation, value in (
-                ("pagellm:num_requests_running", "Number of requests in model execution batches.",
-                 stats.num_running),
-                ("pagellm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
-                ("pagellm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 stats.kv_cache_usage),
-                ("pagellm:kv_cache_used_blocks", "KV-cache blocks held by requests.", stats.num_used_blocks),
-                ("pagellm:kv_cache_num_blocks", "KV-cache blocks in the pool.", stats.num_blocks)):
-            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
-            gauge.add_metric([self._model_name], value)
-            yield gauge
-        preemptions = CounterMetricFamily("pagellm:num_preemptions", "Cumulative number of preemptions.",
-                                          labels=["model_name"])
-        preemptions.add_metric([self._model_name], stats.num_preemptions_total)
-        yield preemptions
+        for family, metrics in ((GaugeMetricFamily, _SCHEDULER_GAUGES), (CounterMetricFamily, _SCHEDULER_COUNTERS)):
+            for name, documentation, value in metrics:
+                metric = family(name, documentation, labels=["model_name"])
+                metric.add_metric([self._model_name], value(stats))
+                yield metric
 
 
 class PrometheusStatLogger(StatLoggerBase):
@@ -63,14 +94,6 @@ class PrometheusStatLogger(StatLoggerBase):
 
         self.prompt_tokens = counter("pagellm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("pagellm:generation_tokens", "Number of generation tokens processed.")
-        self.prefix_cache_queries = counter(
-            "pagellm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens. pagellm has no automatic prefix cache "
-            "yet: every prompt token counts as queried.")
-        self.prefix_cache_hits = counter(
-            "pagellm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens. Always 0: there is no automatic prefix cache "
-            "yet.")
         self.request_success = Counter("pagellm:request_success", "Count of successfully processed requests.",
                                        ["model_name", "finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:  # every reason is exported from the start, at 0
@@ -88,7 +111,6 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def record(self, iteration: IterationStats) -> None:
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
-        self.prefix_cache_queries.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
         for ttft in iteration.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)

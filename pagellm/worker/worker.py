@@ -1,4 +1,5 @@
-"""One worker: owns a device, the model on it, the KV cache tensors, and sizes the cache from a memory budget."""
+"""One worker: owns a device, the model on it, the KV cache tensors (device blocks and the host tier), sizes both
+from memory budgets, and applies each step's block moves before its forward pass."""
 from __future__ import annotations
 
 import os
@@ -20,6 +21,8 @@ GiB = 1 << 30
 # 4 GiB default for its CPU backend.
 _CPU_KV_SHARE = 0.3
 _CPU_KV_MAX_BYTES = 4 * GiB
+# The host tier must leave the process and the rest of the machine room to run (vLLM warns above 40% of RAM).
+_MAX_HOST_TIER_SHARE = 0.5
 
 
 def available_host_memory() -> int:
@@ -103,11 +106,30 @@ class Worker:
                 f"max_model_len (--max-model-len).")
         return int(num_blocks)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device)
+    def determine_num_host_blocks(self) -> int:
+        """Blocks of the host tier: swap_space_bytes of host memory, capped (with a warning) at half of what the
+        host has free, since the tier is allocated up front (pinned on CUDA)."""
+        model_config, cache_config = self.config.model_config, self.config.cache_config
+        per_block = kv_bytes_per_block(model_config, cache_config.block_size)
+        swap_bytes, free = cache_config.swap_space_bytes, available_host_memory()
+        limit = int(_MAX_HOST_TIER_SHARE * free)
+        if swap_bytes > limit:
+            logger.warning("The swap space of %.2f GiB is more than %.0f%% of the free host memory (%.2f GiB); the "
+                           "host tier gets %.2f GiB. Lower --swap-space to silence this.", swap_bytes / GiB,
+                           100 * _MAX_HOST_TIER_SHARE, free / GiB, limit / GiB)
+            swap_bytes = limit
+        return swap_bytes // per_block
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device,
+                                        num_host_blocks)
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        # The order SchedulerOutput prescribes: a block evicted to the host this step may be reused by a swap-in
+        # or a copy in the same step.
+        self.cache_engine.swap_out(output.blocks_to_swap_out)
+        self.cache_engine.swap_in(output.blocks_to_swap_in)
         if output.blocks_to_copy:
             self.cache_engine.copy_blocks(output.blocks_to_copy)
         return self.model_runner.execute_model(output)

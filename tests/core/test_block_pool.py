@@ -24,7 +24,8 @@ def ids(blocks) -> list[int]:
 
 
 def free_list(pool: BlockPool) -> list[int]:
-    return list(pool._free_ids)
+    """Free block ids in the order allocate() hands them out: never-used blocks, then the free queue."""
+    return list(range(len(pool.blocks), pool.num_blocks)) + [block.block_id for block in pool.free_queue]
 
 
 # ---- BlockPool -----------------------------------------------------------------------------------------------
@@ -34,8 +35,16 @@ class TestBlockPool:
         assert pool.num_blocks == 6
         assert pool.num_free_blocks == 6
         assert pool.num_used_blocks == 0
-        assert all(b.ref_cnt == 0 for b in pool.blocks)
-        assert [b.block_id for b in pool.blocks] == list(range(6))
+        assert pool.blocks == []  # block objects are created on first use
+        assert free_list(pool) == list(range(6))
+
+    def test_never_used_blocks_go_before_cached_ones(self):
+        pool = BlockPool(4)
+        (block,) = pool.allocate(1)
+        pool.cache(block, b"h")
+        pool.free([block])
+        assert ids(pool.allocate(3)) == [1, 2, 3] and pool.lookup(b"h") is block
+        assert ids(pool.allocate(1)) == [0] and pool.lookup(b"h") is None and block.block_hash is None
 
     @pytest.mark.parametrize("num_blocks", [0, -1])
     def test_empty_pool_rejected(self, num_blocks):
@@ -67,7 +76,6 @@ class TestBlockPool:
             pool.allocate(2)
         assert free_list(pool) == before
         assert pool.num_free_blocks == 1
-        assert pool.blocks[3].ref_cnt == 0
         # Asking for exactly what is left still works.
         assert ids(pool.allocate(1)) == [3]
         with pytest.raises(RuntimeError):
@@ -103,9 +111,9 @@ class TestBlockPool:
     def test_share_adds_a_reference_and_block_stays_used_until_last_free(self):
         pool = BlockPool(4)
         table = pool.allocate(2)
-        pool.share(table)
+        pool.touch(table)
         assert [b.ref_cnt for b in table] == [2, 2]
-        pool.share(table[:1])
+        pool.touch(table[:1])
         assert [b.ref_cnt for b in table] == [3, 2]
 
         pool.free(table)  # first holder lets go
@@ -120,11 +128,13 @@ class TestBlockPool:
         assert free_list(pool) == [2, 3, 1, 0]
         assert pool.num_free_blocks == 4
 
-    def test_sharing_a_free_block_is_an_error(self):
-        pool = BlockPool(2)
-        with pytest.raises(RuntimeError):
-            pool.share([pool.blocks[0]])
-        assert pool.blocks[0].ref_cnt == 0
+    def test_touching_a_free_block_takes_it_out_of_the_middle_of_the_free_queue(self):
+        pool = BlockPool(4)
+        pool.free(pool.allocate(4)[::-1])  # free queue: 0, 1, 2, 3
+        pool.touch([pool.blocks[2]])
+        assert pool.blocks[2].ref_cnt == 1 and free_list(pool) == [0, 1, 3] and pool.num_free_blocks == 3
+        pool.free([pool.blocks[2]])
+        assert free_list(pool) == [0, 1, 3, 2]
 
     def test_double_free_is_an_error(self):
         pool = BlockPool(3)
@@ -143,11 +153,12 @@ class TestBlockPool:
         assert block.ref_cnt == 1  # checked before anything is released
         assert free_list(pool) == [1, 2]
 
-    def test_freeing_a_never_allocated_block_is_an_error(self):
+    def test_freeing_a_free_block_is_an_error(self):
         pool = BlockPool(2)
+        pool.free(pool.allocate(1))
         with pytest.raises(DOUBLE_FREE_ERRORS):
-            pool.free([pool.blocks[1]])
-        assert free_list(pool) == [0, 1]
+            pool.free([pool.blocks[0]])
+        assert free_list(pool) == [1, 0]
 
 
 # ---- KVCacheManager ------------------------------------------------------------------------------------------
@@ -218,7 +229,7 @@ class TestKVCacheManager:
         assert not kv.allocate_slots(b, 9)  # needs 3 more, 1 free
         assert kv.get_block_ids("b") == [2]
         assert free_list(kv.block_pool) == free_ids
-        assert [blk.ref_cnt for blk in kv.block_pool.blocks] == [1, 1, 1, 0]
+        assert [blk.ref_cnt for blk in kv.block_pool.blocks] == [1, 1, 1]  # block 3 never used yet
 
         c = make_request("c")
         assert not kv.allocate_slots(c, 5)  # needs 2, 1 free
@@ -241,7 +252,7 @@ class TestKVCacheManager:
         assert "a" not in kv.req_to_blocks
         assert kv.get_block_ids("a") == []
         assert kv.block_pool.num_free_blocks == 5
-        assert [blk.ref_cnt for blk in kv.block_pool.blocks] == [0, 0, 0, 1, 0, 0]
+        assert [blk.ref_cnt for blk in kv.block_pool.blocks] == [0, 0, 0, 1]  # blocks 4, 5 never used
         # a's tail block comes back before its head, after the blocks that were already free.
         assert free_list(kv.block_pool) == [4, 5, 2, 1, 0]
         kv.free(b)

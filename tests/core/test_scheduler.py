@@ -26,7 +26,7 @@ def make_scheduler(*, max_model_len: int = 64, num_blocks: int = 64, block_size:
                    max_num_batched_tokens: int = 64, chunked: bool = True) -> Scheduler:
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
 def step(sched: Scheduler, tokens: dict[str, int] | None = None):

@@ -16,7 +16,7 @@ TOKEN = 7
 
 def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
     config = SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
 def make_request(request_id: str, prompt_len: int = 6, n: int = 1, stop_token_ids: tuple[int, ...] = ()) -> Request:

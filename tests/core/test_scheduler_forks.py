@@ -19,7 +19,7 @@ def make_scheduler(num_blocks: int, block_size: int = 4, max_model_len: int = 64
                    budget: int = 32) -> Scheduler:
     config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=budget, enable_chunked_prefill=True)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
 def assert_ref_counts_match_tables(kv: KVCacheManager) -> None:
@@ -60,11 +60,11 @@ def test_fork_shares_blocks_and_first_write_copies_the_partial_block():
     assert kv.allocate_slots(child, 1)  # writes position 6, inside the shared second block
     new_block = kv.get_block_ids("p/1")[1]
     assert kv.get_block_ids("p/1") == [shared_full, new_block] and new_block != shared_partial
-    assert kv.take_pending_copies() == [(shared_partial, new_block)]
-    assert kv.take_pending_copies() == []
+    assert kv.take_transfers().copies == [(shared_partial, new_block)]
+    assert kv.take_transfers().copies == []
     # The parent is now the block's only holder: it writes in place, no copy.
     assert kv.allocate_slots(parent, 1)
-    assert kv.get_block_ids("p") == [shared_full, shared_partial] and kv.take_pending_copies() == []
+    assert kv.get_block_ids("p") == [shared_full, shared_partial] and kv.take_transfers().copies == []
     assert_ref_counts_match_tables(kv)
     kv.free(child)
     kv.free(parent)
@@ -75,7 +75,7 @@ def test_fork_on_a_block_boundary_needs_no_copy():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     parent, child = forked_pair(kv, prompt_len=8)
     assert kv.allocate_slots(child, 1) and kv.allocate_slots(parent, 1)
-    assert kv.take_pending_copies() == []
+    assert kv.take_transfers().copies == []
     assert kv.get_block_ids("p")[:2] == kv.get_block_ids("p/1")[:2]
     assert kv.get_block_ids("p")[2] != kv.get_block_ids("p/1")[2]
     assert_ref_counts_match_tables(kv)
@@ -85,7 +85,7 @@ def test_copy_on_write_without_a_free_block_changes_nothing():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     parent, child = forked_pair(kv, prompt_len=6)
     assert not kv.allocate_slots(child, 1)
-    assert kv.get_block_ids("p/1") == kv.get_block_ids("p") and kv.take_pending_copies() == []
+    assert kv.get_block_ids("p/1") == kv.get_block_ids("p") and kv.take_transfers().copies == []
     assert_ref_counts_match_tables(kv)
 
 

@@ -88,6 +88,10 @@ def assert_no_leaked_blocks(llm) -> None:
     assert pool.num_free_blocks == pool.num_blocks, (
         f"{pool.num_blocks - pool.num_free_blocks} KV blocks still held after every request finished")
     assert not core.kv_cache_manager.req_to_blocks
+    host_pool = core.kv_cache_manager.host_pool
+    if host_pool is not None:
+        assert host_pool.num_free_blocks == host_pool.num_blocks, "host-tier blocks still held"
+    core.scheduler.check_consistency()
 
 
 @pytest.fixture(scope="session")

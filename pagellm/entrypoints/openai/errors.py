@@ -27,7 +27,8 @@ _ERROR_TYPES = {
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
 }
-_PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__)
+# Request fields whose name may open an InvalidRequestError's message (the error's `param`).
+_PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) | {"priority", "cache_salt"}
 
 
 class OpenAIServingError(Exception):

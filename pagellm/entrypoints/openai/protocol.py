@@ -120,7 +120,8 @@ class SamplingRequest(RequestModel):
     spaces_between_special_tokens: bool = True
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     truncate_prompt_tokens: PositiveInt64 | None = None
-    priority: Int64 = 0  # accepted for vLLM compatibility; the scheduler is FCFS and does not use it yet
+    priority: Int64 = 0  # lower runs first; non-zero only with --scheduling-policy priority
+    cache_salt: str | None = None  # prompts share cached prefix blocks only with prompts of the same salt
 
     @model_validator(mode="before")
     @classmethod
@@ -228,10 +229,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo = Field(default_factory=PromptTokenUsageInfo)
 
 
 class CompletionLogProbs(OpenAIBaseModel):

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
                                         truncating=params.truncate_prompt_tokens is not None)
         self.check_length(prompt, params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        first, rest = await self.start([prompt], params, request_id)
+        first, rest = await self.start([prompt], params, request_id, request)
         if request.stream:
             return self._stream(request, request_id, model, first, rest)
         return await self._full(request, request_id, model, chain_first(first, rest))
@@ -58,9 +58,9 @@ class OpenAIServingChat(OpenAIServing):
     async def _full(self, request: ChatCompletionRequest, request_id: str, model: str,
                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
         choices: dict[int, CompletionOutput] = {}
-        prompt_tokens: dict[int, int] = {}
+        latest: dict[int, RequestOutput] = {}
         async for _, output in outputs:
-            prompt_tokens[0] = len(output.prompt_token_ids)
+            latest[0] = output
             accumulate(choices, 0, output)
         return ChatCompletionResponse(
             id=request_id, model=model,
@@ -69,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
                                                   finish_reason=choices[i].finish_reason,
                                                   stop_reason=choices[i].stop_reason)
                      for i in sorted(choices)],
-            usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices.values())))
+            usage=usage(latest, sum(len(c.token_ids) for c in choices.values())))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       first: tuple[int, RequestOutput],
@@ -81,7 +81,6 @@ class OpenAIServingChat(OpenAIServing):
                                                     **fields)
             return f"data: {response.model_dump_json()}\n\n"
 
-        prompt_tokens = {0: len(first[1].prompt_token_ids)}
         completion_tokens = 0
         try:
             # As OpenAI: each choice opens with a delta holding only the role.
@@ -97,7 +96,7 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens += len(delta.token_ids)
                 yield chunk(choices)
             if request.include_usage:
-                yield chunk([], usage=usage(prompt_tokens, completion_tokens))
+                yield chunk([], usage=usage({0: first[1]}, completion_tokens))
         except Exception as exc:  # the response has started: report the error as the stream's last event
             yield sse_error(exc)
         finally:

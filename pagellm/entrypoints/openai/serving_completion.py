@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_length(prompt, params, "prompt")
         self.check_batch_size(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        first, rest = await self.start(prompts, params, request_id)
+        first, rest = await self.start(prompts, params, request_id, request)
         if request.stream:
             return self._stream(request, request_id, model, first, rest)
         return await self._full(request, request_id, model, chain_first(first, rest))
@@ -75,24 +75,24 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _full(self, request: CompletionRequest, request_id: str, model: str,
                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
         choices: dict[int, CompletionOutput] = {}
-        prompt_tokens: dict[int, int] = {}
+        latest: dict[int, RequestOutput] = {}  # per prompt
         async for prompt_index, output in outputs:
-            prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+            latest[prompt_index] = output
             accumulate(choices, prompt_index * request.n, output)
         return CompletionResponse(
             id=request_id, model=model,
             choices=[self._choice(request, i, choices[i], 0) for i in sorted(choices)],
-            usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices.values())))
+            usage=usage(latest, sum(len(c.token_ids) for c in choices.values())))
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str, first: tuple[int, RequestOutput],
                       rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         created = int(time.time())
-        prompt_tokens: dict[int, int] = {}
+        latest: dict[int, RequestOutput] = {}  # per prompt
         completion_tokens = 0
         text_offsets: dict[int, int] = {}
         try:
             async for prompt_index, output in chain_first(first, rest):
-                prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                latest[prompt_index] = output
                 choices = []
                 for delta in output.outputs:
                     index = prompt_index * request.n + delta.index
@@ -103,7 +103,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield f"data: {chunk.model_dump_json()}\n\n"
             if request.include_usage:
                 chunk = CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                           usage=usage(prompt_tokens, completion_tokens))
+                                           usage=usage(latest, completion_tokens))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except Exception as exc:  # the response has started: report the error as the stream's last event
             yield sse_error(exc)

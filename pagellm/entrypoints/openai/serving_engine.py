@@ -13,12 +13,14 @@ from jinja2 import TemplateError
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from pagellm.entrypoints.openai.errors import OpenAIServingError
-from pagellm.entrypoints.openai.protocol import ChatMessageParam, UsageInfo
+from pagellm.entrypoints.openai.protocol import ChatMessageParam, PromptTokenUsageInfo, SamplingRequest, UsageInfo
 from pagellm.entrypoints.utils import merge_async_iterators
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
-TokensPrompt = dict[str, Any]  # {"prompt": str | None, "prompt_token_ids": [...]}, what AsyncLLM.generate takes
+# {"prompt": str | None, "prompt_token_ids": [...]} and maybe "cache_salt": what AsyncLLM.generate takes.
+TokensPrompt = dict[str, Any]
+IndexedOutput = tuple[int, RequestOutput]  # (prompt index in the request, output)
 
 
 def load_chat_template(chat_template: str | None) -> str | None:
@@ -96,11 +98,15 @@ class OpenAIServing:
                 f"of them at once (sequence slots and KV cache of --max-num-seqs and --kv-cache-memory, plus "
                 f"--max-waiting-requests); send fewer prompts per request.", param="prompt")
 
-    async def start(self, prompts: list[TokensPrompt], params: SamplingParams,
-                    request_id: str) -> tuple[tuple[int, RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:
-        """Submit every prompt and wait for the first output, so that a bad request fails before any response
-        is sent. Returns that first (prompt index, output) and the merged stream of the rest."""
-        streams = [self.engine.generate(prompt, params, f"{request_id}-{i}") for i, prompt in enumerate(prompts)]
+    async def start(self, prompts: list[TokensPrompt], params: SamplingParams, request_id: str,
+                    request: SamplingRequest) -> tuple[IndexedOutput, AsyncIterator[IndexedOutput]]:
+        """Submit every prompt (with the request's cache_salt and priority) and wait for the first output, so that
+        a bad request fails before any response is sent. Returns that first (prompt index, output) and the merged
+        stream of the rest."""
+        if request.cache_salt is not None:
+            prompts = [{**prompt, "cache_salt": request.cache_salt} for prompt in prompts]
+        streams = [self.engine.generate(prompt, params, f"{request_id}-{i}", request.priority)
+                   for i, prompt in enumerate(prompts)]
         merged = merge_async_iterators(*streams)
         try:
             first = await anext(merged)
@@ -130,7 +136,10 @@ def accumulate(choices: dict[int, CompletionOutput], offset: int, output: Reques
         choice.stop_reason = delta.stop_reason if delta.finish_reason else choice.stop_reason
 
 
-def usage(prompt_tokens: dict[int, int], completion_tokens: int) -> UsageInfo:
-    total_prompt = sum(prompt_tokens.values())
-    return UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
-                     total_tokens=total_prompt + completion_tokens)
+def usage(prompts: dict[int, RequestOutput], completion_tokens: int) -> UsageInfo:
+    """The usage block from the latest output of each prompt of the request (keyed by prompt index)."""
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in prompts.values())
+    cached_tokens = sum(output.num_cached_tokens or 0 for output in prompts.values())
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens))

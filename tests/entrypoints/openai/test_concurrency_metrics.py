@@ -16,6 +16,9 @@ METRIC_NAMES = [
     "pagellm:prompt_tokens_total", "pagellm:generation_tokens_total", "pagellm:request_success_total",
     "pagellm:time_to_first_token_seconds_count", "pagellm:inter_token_latency_seconds_count",
     "pagellm:e2e_request_latency_seconds_count", "pagellm:request_queue_time_seconds_count",
+    "pagellm:kv_cache_token_efficiency", "pagellm:host_kv_cache_usage_perc", "pagellm:num_swapped_out_blocks_total",
+    "pagellm:num_swapped_in_blocks_total", "pagellm:prefix_cache_preempted_queries_total",
+    "pagellm:prefix_cache_preempted_hits_total",
 ]
 
 
@@ -104,4 +107,4 @@ def test_metrics_names_and_counters(server, client, tokenizer):
                         ("pagellm:inter_token_latency_seconds_count", 4)):
         assert counter(after, name) - counter(before, name) == delta, name
     text = httpx.get(f"{server.url}/metrics").text
-    assert 'model_name="tiny"' in text and "prefix cache" in text
+    assert 'model_name="tiny"' in text and "Prefix cache hits" in text

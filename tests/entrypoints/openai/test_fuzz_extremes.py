@@ -153,6 +153,7 @@ COMMON_FIELDS = {
     "bad_words": st.one_of(_string_lists(), st.sampled_from(WRONG_TYPES)),
     "truncate_prompt_tokens": st.sampled_from(NUMBERS),
     "priority": st.sampled_from(NUMBERS),
+    "cache_salt": st.sampled_from(STRINGS + WRONG_TYPES),
     "max_tokens": st.sampled_from(NUMBERS),
     "add_special_tokens": st.sampled_from(BOOLS),
 }
