@@ -95,6 +95,7 @@ class Request:
         child.block_hashes = list(self.block_hashes)
         child.prompt_logprobs = []  # reported once, by the group's first sequence
         child.beam_candidates = None
+        child.num_preemptions = 0  # its own, from now on
         return child
 
     @property

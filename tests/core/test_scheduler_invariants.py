@@ -34,6 +34,7 @@ class Spec:
     max_tokens: int
     family: int  # requests of one family share a prompt prefix (prefix-cache hits)
     priority: int
+    n: int  # sequences: the request forks at its first sample
     arrival: int  # the step before which it is added
     ignore_eos: bool
     use_stop: bool
@@ -47,19 +48,28 @@ class Spec:
         return (shared + own)[:self.prompt_len]
 
     def make_request(self) -> Request:
-        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+        params = SamplingParams(n=self.n, temperature=1.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
                                 stop_token_ids=[STOP] if self.use_stop else [])
         return Request(request_id=self.request_id, prompt_token_ids=self.prompt, sampling_params=params,
                        eos_token_ids=frozenset({EOS}), max_tokens=self.max_tokens, priority=self.priority)
 
-    def expected(self, max_model_len: int) -> tuple[list[int], str]:
-        """The full output if nothing aborts it, and its finish reason."""
+    def token(self, index: int, k: int) -> int:
+        """What the fake model samples as output token k of sequence `index`: the plan for the first sequence, a
+        shifted plan (never EOS or the stop token) for its forks, so forks write different K/V."""
+        return self.plan[k] if index == 0 else (self.plan[k] + 17 * index) % 990 + 10
+
+    def tokens(self, request: Request) -> list[int]:
+        """Every token the sequence has: the K/V its computed positions must hold."""
+        return self.prompt + [self.token(request.index, k) for k in range(request.num_output_tokens)]
+
+    def expected(self, max_model_len: int, index: int = 0) -> tuple[list[int], str]:
+        """Sequence `index`'s full output if nothing aborts it, and its finish reason."""
         limit = min(self.max_tokens, max_model_len - self.prompt_len)
         for k in range(limit):
-            token = self.plan[k]
+            token = self.token(index, k)
             if (token == EOS and not self.ignore_eos) or (token == STOP and self.use_stop):
-                return self.plan[:k + 1], "stop"
-        return self.plan[:limit], "length"
+                return [self.token(index, j) for j in range(k + 1)], "stop"
+        return [self.token(index, j) for j in range(limit)], "length"
 
 
 @dataclass
@@ -96,6 +106,7 @@ def workloads(draw) -> Workload:
         abort_at = draw(st.integers(0, 60)) if draw(st.integers(0, 3)) == 0 else None
         specs.append(Spec(request_id=f"r{i}", prompt_len=draw(st.integers(1, 200)), max_tokens=max_tokens,
                           family=draw(st.integers(0, 2)), priority=draw(st.integers(0, 2)),
+                          n=min(draw(st.sampled_from([1, 1, 1, 2, 3])), max_num_seqs),  # as InputProcessor checks
                           arrival=draw(st.integers(0, 30)), ignore_eos=draw(st.booleans()),
                           use_stop=draw(st.booleans()), abort_at=abort_at, plan=plan))
     prefix_caching = draw(st.booleans())
@@ -182,6 +193,8 @@ def check_running_tables(sched: Scheduler, scheduled_tokens: dict[str, int]) -> 
 
 
 def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, int]]:
+    """Returns the scheduler, every sequence by id (forks included) and the step each aborted request (group id)
+    was aborted at."""
     config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=w.max_num_seqs,
                              max_num_batched_tokens=w.max_num_batched_tokens, enable_chunked_prefill=w.chunked,
                              scheduling_policy=w.policy, preemption_mode=w.preemption_mode)
@@ -193,8 +206,8 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
     aborted_at: dict[str, int] = {}
     last_arrival = max(s.arrival for s in w.specs)
     # Each step the oldest running request computes at least one token and is never preempted, so every
-    # request needs at most max_model_len steps of its own.
-    max_steps = last_arrival + len(w.specs) * MAX_MODEL_LEN + 10
+    # sequence needs at most max_model_len steps of its own.
+    max_steps = last_arrival + sum(s.n for s in w.specs) * MAX_MODEL_LEN + 10
 
     step = 0
     while True:
@@ -204,12 +217,12 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
                 sched.add_request(requests[s.request_id])
         to_abort = [s.request_id for s in w.specs if s.abort_at == step and s.request_id in requests]
         if to_abort:
-            live = {r for r in to_abort if not requests[r].is_finished}
+            live = {rid for gid in to_abort for rid in sched.groups.get(gid, ())}
             aborted = sched.abort_requests(to_abort + ["no-such-request"])
             assert {r.request_id for r in aborted} == live
-            for r in live:
-                aborted_at[r] = step
-                assert requests[r].status == RequestStatus.FINISHED_ABORTED
+            for r in aborted:
+                aborted_at[r.group_id] = step
+                assert r.status == RequestStatus.FINISHED_ABORTED
             check_blocks(sched)
             check_running_tables(sched, {})
         if not sched.has_unfinished_requests() and step >= last_arrival:
@@ -241,13 +254,13 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
         scheduled_tokens = {}
         for s in out.scheduled:
             req = requests[s.request_id]
-            spec = specs[s.request_id]
+            spec = specs[req.group_id]
             assert req.status == RequestStatus.RUNNING
             assert s.num_tokens >= 1
             assert s.num_computed_tokens == req.num_computed_tokens
             end = s.num_computed_tokens + s.num_tokens
             assert end <= req.num_tokens <= MAX_MODEL_LEN
-            truth = spec_tokens(spec, req)
+            truth = spec.tokens(req)
             assert s.token_ids == truth[s.num_computed_tokens:end]
             assert s.needs_sample == (end == req.num_tokens)
             if not w.chunked:
@@ -259,18 +272,28 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
         for s in out.scheduled:
             admitted = s.request_id in waiting_before or s.request_id not in running_before
             check_from = 0 if admitted else max(s.num_computed_tokens - bs, 0)
-            cache.check_and_write(s, spec_tokens(specs[s.request_id], requests[s.request_id]),
-                                  sched.kv_cache_manager.req_to_blocks[s.request_id], check_from)
+            req = requests[s.request_id]
+            cache.check_and_write(s, specs[req.group_id].tokens(req),
+                                  sched.kv_cache_manager.req_to_blocks[req.request_id], check_from)
         check_blocks(sched)
         check_running_tables(sched, scheduled_tokens)
 
         # -- the fake model
-        sampled = {s.request_id: [specs[s.request_id].plan[requests[s.request_id].num_output_tokens]]
-                   for s in out.scheduled if s.needs_sample}
+        sampled = {}
+        for s in out.scheduled:
+            req = requests[s.request_id]
+            if s.needs_sample:  # a request about to fork samples for each of its sequences
+                sampled[s.request_id] = [specs[req.group_id].token(req.index + j, req.num_output_tokens)
+                                         for j in range(s.num_samples)]
         computed_before = {r: requests[r].num_computed_tokens for r in order}
         outputs_before = {r: requests[r].num_output_tokens for r in order}
         updated, finished = sched.update_from_output(out, sampled)
-        assert {r.request_id for r in updated} == set(sampled)
+        for req in updated:
+            if req.request_id not in requests:  # forked this step
+                assert req.index > 0 and req.num_output_tokens == 1
+                requests[req.request_id] = req
+        assert {r.request_id for r in updated if r.num_output_tokens > 1 or r.index == 0} <= set(sampled)
+        assert set(sampled) <= {r.request_id for r in updated}
         if not w.prefix_caching:
             assert sched.kv_cache_manager.block_pool.cached == {}
         for s in out.scheduled:
@@ -287,10 +310,6 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
         step += 1
 
     return sched, requests, aborted_at
-
-
-def spec_tokens(spec: Spec, request: Request) -> list[int]:
-    return spec.prompt + spec.plan[:request.num_output_tokens]
 
 
 def check_fcfs_order(sched: Scheduler, out, requests: dict[str, Request], running_before: list[str],
@@ -319,6 +338,7 @@ def test_scheduler_invariants_on_random_workloads(w: Workload):
          f"max_num_seqs={w.max_num_seqs} chunked={w.chunked} caching={w.prefix_caching} "
          f"host={w.num_host_blocks} {w.preemption_mode} {w.policy}")
     sched, requests, aborted_at = run_workload(w)
+    specs_by_id = {spec.request_id: spec for spec in w.specs}
 
     kv = sched.kv_cache_manager
     kv.finish_step()
@@ -333,20 +353,24 @@ def test_scheduler_invariants_on_random_workloads(w: Workload):
     event(f"prefix hits: {kv.prefix_stats.hits > 0}")
     event(f"swapped: {kv.num_swapped_out_blocks > 0}")
 
-    for spec in w.specs:
-        req = requests[spec.request_id]
+    for req in requests.values():
+        spec = specs_by_id[req.group_id]
         assert req.is_finished
-        want, reason = spec.expected(MAX_MODEL_LEN)
-        if spec.request_id in aborted_at:
-            assert req.finish_reason == "abort"
+        want, reason = spec.expected(MAX_MODEL_LEN, req.index)
+        if req.finish_reason == "abort":
+            assert spec.request_id in aborted_at
             assert req.output_token_ids == want[:req.num_output_tokens]
             assert req.num_output_tokens < len(want)
         else:
-            assert req.output_token_ids == want, spec.request_id
+            assert req.output_token_ids == want, req.request_id
             assert req.finish_reason == reason
             if reason == "stop":
                 assert req.stop_reason == (STOP if want[-1] == STOP else None)
         assert req.all_token_ids == spec.prompt + req.output_token_ids
+    # Every sequence of every request that was not aborted before its first sample exists.
+    num_sequences = Counter(req.group_id for req in requests.values())
+    for spec in w.specs:
+        assert num_sequences[spec.request_id] == spec.n or spec.request_id in aborted_at
 
 
 @pytest.mark.parametrize("preemption_mode,num_host_blocks", [("recompute", 0), ("swap", 64), ("swap", 8)])
@@ -355,7 +379,7 @@ def test_tiny_pool_workload_preempts_and_completes(preemption_mode: str, num_hos
     same checks, with recompute, with swap, and with a host tier too small for every swap (falls back to
     recompute)."""
     rng = random.Random(0)
-    specs = [Spec(f"r{i}", prompt_len=150 + 5 * i, max_tokens=40, family=0, priority=0, arrival=i % 3,
+    specs = [Spec(f"r{i}", prompt_len=150 + 5 * i, max_tokens=40, family=0, priority=0, n=1 + i % 2, arrival=i % 3,
                   ignore_eos=True, use_stop=False, abort_at=None, plan=[rng.randrange(10, 1000) for _ in range(40)])
              for i in range(6)]
     w = Workload(block_size=16, num_blocks=16, max_num_batched_tokens=64, max_num_seqs=4, chunked=True,

@@ -156,3 +156,22 @@ def test_smollm2_packed_weights_logprobs_match_hf(smol_llm, smol_hf):
         for step, entry in enumerate(out.outputs[0].logprobs):
             for token, logprob in entry.items():
                 assert logprob.logprob == pytest.approx(reference[start + step, token].item(), abs=1e-3)
+
+
+def test_smollm2_shared_system_prompt_hits_the_prefix_cache_and_matches_hf(smol_llm, smol_hf, hf_greedy, no_leaks):
+    """Two chats with one long system prompt: the second reuses the first's cached blocks (prefix caching is on by
+    default) and still answers exactly as transformers does."""
+    system = {"role": "system", "content": "You are a meticulous assistant for a railway museum. " * 8}
+    questions = ["Who built the first steam locomotive?", "Name one famous train."]
+    tokenizer = smol_llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = [smol_llm.chat([system, {"role": "user", "content": q}], params, use_tqdm=False)[0]
+               for q in questions]
+    assert outputs[0].num_cached_tokens == 0
+    block_size = smol_llm.llm_engine.config.cache_config.block_size
+    shared = next(i for i, (a, b) in enumerate(zip(*(o.prompt_token_ids for o in outputs))) if a != b)
+    assert outputs[1].num_cached_tokens == shared // block_size * block_size > 64
+    for out in outputs:
+        ref = hf_greedy(smol_hf, out.prompt_token_ids, 12)
+        assert out.outputs[0].token_ids == ref, (tokenizer.decode(out.outputs[0].token_ids), tokenizer.decode(ref))
+    no_leaks(smol_llm)
