@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# One position's logprobs as the engine carries them: (token ids, logprobs, ranks), the chosen token first, then
+# the top-k.
+LogprobsEntry = tuple[list[int], list[float], list[int]]
+
 
 @dataclass
 class Logprob:

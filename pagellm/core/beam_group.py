@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagellm.beam_search import BeamSearchOutput, BeamSearchSequence, get_beam_search_score
-from pagellm.engine.request import Request
+from pagellm.core.request import Request
 from pagellm.sampling_params import BeamSearchParams
 
 

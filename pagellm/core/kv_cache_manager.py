@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pagellm.core.block_hash import extend_block_hashes
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
-from pagellm.engine.request import Request
+from pagellm.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -17,7 +17,7 @@ import time
 from collections import deque
 
 from pagellm.config import SchedulerConfig
-from pagellm.engine.request import Request
+from pagellm.core.request import Request
 
 
 def remaining_tokens(request: Request) -> int:

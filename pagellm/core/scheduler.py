@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched_policy import SchedulingPolicy
-from pagellm.engine.request import Request, RequestStatus
 from pagellm.exceptions import InvalidRequestError
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats

@@ -9,8 +9,17 @@ from pathlib import Path
 
 import torch
 
-from pagellm.config import (PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, DeviceConfig, EngineConfig,
-                            ModelConfig, SchedulerConfig, resolve_device, resolve_dtype)
+from pagellm.config import (
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_device,
+    resolve_dtype,
+)
 from pagellm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagellm.model_executor.model_loader.gguf_loader import gguf_source
 from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir

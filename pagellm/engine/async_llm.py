@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
+from pagellm.core.request import Request, RequestStatus
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.request import Request, RequestStatus
 from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger

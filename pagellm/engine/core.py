@@ -11,15 +11,13 @@ import time
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
-from pagellm.engine.request import Request, RequestStatus
 from pagellm.executor.uniproc_executor import UniProcExecutor
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import StepTimings
-from pagellm.worker.cache_engine import kv_bytes_per_block
-from pagellm.worker.worker import GiB
 
 logger = init_logger(__name__)
 
@@ -33,21 +31,12 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks()
         num_host_blocks = self.executor.determine_num_host_blocks()
         self.executor.initialize_cache(self.num_blocks, num_host_blocks)
-        self._log_cache(self.num_blocks)
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
-
-    def _log_cache(self, num_blocks: int) -> None:
-        block_size = self.config.cache_config.block_size
-        max_len = self.config.scheduler_config.max_model_len
-        size = num_blocks * kv_bytes_per_block(self.config.model_config, block_size)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens in all; maximum concurrency for "
-                    "%d-token requests: %.2fx", num_blocks, block_size, size / GiB, num_blocks * block_size,
-                    max_len, num_blocks * block_size / max_len)
 
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
         self.scheduler.add_request(request, beam_group)

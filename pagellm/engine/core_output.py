@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagellm.beam_search import BeamSearchOutput
-
-LogprobsEntry = tuple[list[int], list[float], list[int]]  # (ids, logprobs, ranks): the token first, then top-k
+from pagellm.outputs import LogprobsEntry
 
 
 @dataclass(slots=True)

@@ -5,11 +5,11 @@ import time
 
 from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
+from pagellm.core.request import RequestStatus
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.request import RequestStatus
 from pagellm.exceptions import RequestFailedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams

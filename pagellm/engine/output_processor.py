@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagellm.engine.core_output import EngineCoreOutput, LogprobsEntry
+from pagellm.core.request import Request
+from pagellm.engine.core_output import EngineCoreOutput
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.request import Request
 from pagellm.logger import init_logger
-from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)

@@ -18,12 +18,12 @@ import torch
 
 from pagellm.config import ModelConfig
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
-from pagellm.engine.core_output import LogprobsEntry
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
 from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
+from pagellm.outputs import LogprobsEntry
 
 logger = init_logger(__name__)
 

@@ -104,6 +104,10 @@ class Worker:
                 f"needs {needed} blocks ({needed * per_block / GiB:.3f} GiB). Increase the KV cache memory "
                 f"(kv_cache_memory_bytes / --kv-cache-memory, or gpu_memory_utilization on CUDA) or lower "
                 f"max_model_len (--max-model-len).")
+        block_size = cache_config.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens in all; maximum concurrency for "
+                    "%d-token requests: %.2fx", num_blocks, block_size, num_blocks * per_block / GiB,
+                    num_blocks * block_size, max_len, num_blocks * block_size / max_len)
         return int(num_blocks)
 
     def determine_num_host_blocks(self) -> int:

@@ -5,7 +5,7 @@ import pytest
 
 from pagellm.core.block_pool import BlockPool
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
-from pagellm.engine.request import Request
+from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 
 # Double free is currently reported with `assert`; accept the usual exception types so that switching to an

@@ -7,7 +7,7 @@ from array import array
 
 from pagellm.core.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.engine.request import Request
+from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 
 BS = 4

@@ -10,8 +10,8 @@ import pytest
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.request import Request
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
 EOS = 2

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagellm.core.request import Request
 from pagellm.engine.core_output import EngineCoreOutput
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.engine.request import Request
 from pagellm.sampling_params import SamplingParams
 
 
