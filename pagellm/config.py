@@ -1,7 +1,7 @@
 """Engine configuration: one dataclass per concern, validated once when built."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,11 @@ class ModelConfig:
     @property
     def num_kv_heads(self) -> int:
         return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    def get_num_kv_heads(self, tensor_parallel_size: int = 1) -> int:
+        """KV heads one tensor-parallel rank holds (and caches), as QKVParallelLinear splits them: an equal share,
+        or one replicated head when there are fewer KV heads than ranks."""
+        return max(1, self.num_kv_heads // tensor_parallel_size)
 
     @property
     def head_dim(self) -> int:
@@ -129,6 +134,35 @@ class SchedulerConfig:
                 f"enable chunked prefill.")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # None: "uni" (this process) for one rank, "mp" (one process per rank on this machine) for more.
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}; fix "
+                                 f"--{name.replace('_', '-')}.")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}; fix --distributed-executor-backend.")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"The 'uni' executor runs one rank in this process, but tensor x pipeline parallel "
+                             f"size is {self.world_size}; use --distributed-executor-backend mp or ray.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 @dataclass
 class DeviceConfig:
     device: torch.device
@@ -140,3 +174,4 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -104,6 +104,22 @@ SERVER_MAX_MODEL_LEN = 256
 SERVER_START_TIMEOUT_S = 120
 
 
+def kv_pool_bytes(model_dir, block_size: int, num_blocks: int) -> int:
+    """Bytes of a float32 KV pool of `num_blocks` blocks for this checkpoint, from its config alone:
+    2 (K and V) * layers * block_size * kv_heads * head_dim * 4."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return num_blocks * 2 * cfg.num_hidden_layers * block_size * kv_heads * head_dim * 4
+
+
+@pytest.fixture(scope="session")
+def pool_bytes():
+    return kv_pool_bytes
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

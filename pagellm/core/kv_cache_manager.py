@@ -70,6 +70,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are indexed
         self._transfers = Transfers()
         self._held_host_blocks: list[KVCacheBlock] = []  # read or written by this step's copies
+        self._rewritten_tables: set[str] = set()  # tables with a block replaced in place (copy-on-write)
         self.prefix_stats = PrefixCacheStats()
         # Blocks copied to and from the host tier (swap preemption and the second-level prefix cache).
         self.num_swapped_out_blocks = 0
@@ -169,6 +170,7 @@ class KVCacheManager:
             self.block_pool.free([shared])
             blocks[first] = private
             self._transfers.copies.append((shared.block_id, private.block_id))
+            self._rewritten_tables.add(request_id)
         self.req_to_blocks[request_id] = blocks + self.block_pool.allocate(num_fresh)
         if computed.num_blocks or swapped:
             # Blocks that arrived whole are indexed now: their K/V are in place before the forward pass reads them.
@@ -252,12 +254,20 @@ class KVCacheManager:
             self.host_pool.free(self._held_host_blocks)
             self._held_host_blocks = []
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())[start:]]
+
+    def take_rewritten_table(self, request_id: str) -> bool:
+        """Whether a block of the request's table was replaced in place (copy-on-write) since the last call."""
+        if request_id in self._rewritten_tables:
+            self._rewritten_tables.discard(request_id)
+            return True
+        return False
 
     def free(self, request: Request) -> None:
         """Release everything the request holds, in either tier."""
         self._num_cached_blocks.pop(request.request_id, None)
+        self._rewritten_tables.discard(request.request_id)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free(blocks)

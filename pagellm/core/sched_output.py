@@ -1,4 +1,11 @@
-"""What the scheduler hands to the workers each step: a self-contained description of the batch."""
+"""What the scheduler hands to the workers each step: plain data, self-contained, and only what changed.
+
+A sequence is sent in full (`NewRequestData`) the first time the workers see it: when it is admitted, forked
+(n > 1, beam search) or resumed after preemption. After that each step carries, per scheduled sequence, only the
+tokens and KV blocks added since the workers last saw it. Workers keep the rest (see worker/input_batch.py) and
+drop a sequence when it finishes or is preempted. Nothing here aliases scheduler state, so the whole object can be
+pickled to another process.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,31 +14,36 @@ from pagellm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
+class NewRequestData:
     request_id: str
-    token_ids: list[int]  # the tokens to compute this step
-    num_computed_tokens: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's whole block table
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (a fork or a preempted sequence has some)
     sampling_params: SamplingParams
-    needs_sample: bool  # False for a prefill chunk that does not reach the end of the known tokens
-    # References to the request's lists (not copies), read by the sampler for penalties, bad words, min_tokens
-    # and prompt logprobs. They are current when the step runs: the scheduler appends only after it.
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
-    num_samples: int = 1  # n > 1: the first sample draws n tokens from the same logits (one per sequence)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    num_tokens: int  # tokens to compute this step, from position num_computed_tokens on
+    num_computed_tokens: int
+    # Generated tokens appended since the workers last saw the sequence (all of them for a new one: none).
+    new_token_ids: list[int] = field(default_factory=list)
+    # KV blocks appended to its table since then; the whole table when `replaces_block_table` (new sequences,
+    # and tables whose blocks changed in place: copy-on-write).
+    new_block_ids: list[int] = field(default_factory=list)
+    replaces_block_table: bool = False
+    needs_sample: bool = True  # False for a prefill chunk that does not reach the end of the known tokens
+    num_samples: int = 1  # n > 1: the first sample draws n tokens from the same logits (one per sequence)
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+    # Sequences the workers drop: preempted this step, and finished since the last step.
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Requests finished since the last step: workers drop their per-request state (e.g. seeded generators).
     finished_req_ids: list[str] = field(default_factory=list)
     # Block moves the workers make before the forward pass, in this order: (device block, host block) pairs to
     # copy out to the host tier, (host block, device block) pairs to copy back in, then (source, destination)

@@ -10,12 +10,14 @@ from pathlib import Path
 import torch
 
 from pagellm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     resolve_device,
     resolve_dtype,
@@ -48,6 +50,9 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     short_first_max_wait: float = 10.0  # seconds
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -61,6 +66,9 @@ class EngineArgs:
         max_model_len = self._max_model_len(hf_config)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}; fix --max-logprobs.")
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                         self.distributed_executor_backend)
+        check_parallel_sizes(hf_config, parallel_config)
         model_config = ModelConfig(
             model=str(model_dir),
             tokenizer=str(self.tokenizer or model_dir),
@@ -82,6 +90,7 @@ class EngineArgs:
                                              self.enable_chunked_prefill, self.scheduling_policy,
                                              self.preemption_mode, self.short_first_max_wait),
             device_config=DeviceConfig(device),
+            parallel_config=parallel_config,
         )
 
     def _quantization(self, device: torch.device, dtype: torch.dtype, gguf_file: Path | None) -> str:
@@ -155,6 +164,14 @@ class EngineArgs:
         parser.add_argument("--scheduling-policy", default=EngineArgs.scheduling_policy, choices=SCHEDULING_POLICIES,
                             help="fcfs: arrival order; priority: the request's priority (lower first), preempting "
                                  "lower-priority work; short-first: fewest remaining tokens first, with ageing")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineArgs.tensor_parallel_size,
+                            help="ranks that each hold a slice of every layer (heads, MLP columns, vocabulary)")
+        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=EngineArgs.pipeline_parallel_size,
+                            help="ranks that each hold a contiguous range of layers")
+        parser.add_argument("--distributed-executor-backend", default=EngineArgs.distributed_executor_backend,
+                            choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                            help="uni: this process (one rank); mp: one process per rank on this machine; ray: "
+                                 "Ray actors (multi-node). Default: uni for one rank, mp for more")
         parser.add_argument("--short-first-max-wait", type=float, default=EngineArgs.short_first_max_wait,
                             help="short-first: seconds after which a waiting request goes ahead of shorter ones")
         return parser
@@ -162,6 +179,26 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def check_parallel_sizes(hf_config, parallel: ParallelConfig) -> None:
+    """Tensor parallelism splits query heads (and KV heads, or replicates them when there are fewer KV heads than
+    ranks); pipeline parallelism splits layers. Sizes that do not divide are refused, naming the ones that work."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    tp = parallel.tensor_parallel_size
+
+    def divides(size: int) -> bool:
+        return heads % size == 0 and (kv_heads % size == 0 if size <= kv_heads else size % kv_heads == 0)
+
+    if not divides(tp):
+        working = [size for size in range(1, heads + 1) if divides(size)]
+        raise ValueError(f"--tensor-parallel-size {tp} does not divide this model's {heads} attention heads and "
+                         f"{kv_heads} KV heads; sizes that work: {', '.join(map(str, working))}.")
+    layers = hf_config.num_hidden_layers
+    if parallel.pipeline_parallel_size > layers:
+        raise ValueError(f"--pipeline-parallel-size {parallel.pipeline_parallel_size} is more than this model's "
+                         f"{layers} layers.")
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

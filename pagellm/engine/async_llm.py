@@ -63,6 +63,11 @@ class _FinishStopped:
     stop_reasons: dict[str, str]  # sequence id -> the stop string that ended it
 
 
+@dataclass
+class _ExecutorFailed:
+    reason: str
+
+
 _SHUTDOWN = object()
 _Item = RequestOutput | _Aborted | BaseException
 
@@ -87,6 +92,8 @@ class AsyncLLM:
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}  # engine thread only
         self._stopped_reason: str | None = None
         self._thread = threading.Thread(target=self._run_engine_loop, name="pagellm-engine", daemon=True)
+        # A worker that dies wakes the engine thread even when it is idle, so /health turns 503 at once.
+        self.core.executor.on_failure(lambda reason: self._inbox.put(_ExecutorFailed(reason)))
         self._thread.start()
 
     @classmethod
@@ -150,6 +157,7 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._inbox.put(_SHUTDOWN)
             self._thread.join()
+        self.core.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -228,6 +236,9 @@ class AsyncLLM:
                 # Before the outputs reach their consumers, so a finished request is never still counted.
                 self._scheduler_stats = self.core.scheduler.stats()
                 self._send_outputs(outputs)
+        except EngineDeadError as exc:
+            logger.error("The engine stopped: %s", exc)
+            reason = f"The engine stopped: {exc}"
         except Exception:
             logger.exception("The engine loop failed; every pending request gets an error.")
             reason = "The engine stopped after an internal error; see the server log."
@@ -243,6 +254,8 @@ class AsyncLLM:
         while item is not _SHUTDOWN:
             if isinstance(item, _AddRequest):
                 self._add(item)
+            elif isinstance(item, _ExecutorFailed):
+                raise EngineDeadError(item.reason)
             elif isinstance(item, _FinishStopped):
                 self.core.finish_requests(list(item.stop_reasons), RequestStatus.FINISHED_STOPPED,
                                           stop_reasons=dict(item.stop_reasons))

@@ -15,7 +15,8 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
-from pagellm.executor.uniproc_executor import UniProcExecutor
+from pagellm.exceptions import EngineDeadError
+from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import StepTimings
 
@@ -27,7 +28,7 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        self.executor = Executor.create(config)
         self.num_blocks = self.executor.determine_num_blocks()
         num_host_blocks = self.executor.determine_num_host_blocks()
         self.executor.initialize_cache(self.num_blocks, num_host_blocks)
@@ -48,6 +49,9 @@ class EngineCore:
                         stop_reasons: dict[str, int | str] | None = None) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, status, stop_reasons)
 
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -62,6 +66,8 @@ class EngineCore:
             raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
         try:
             result = self.executor.execute_model(output)
+        except EngineDeadError:
+            raise  # a worker is gone: nothing to recover
         except Exception as exc:
             self._recover_from_failed_step(output, exc)
             return EngineCoreOutputs(failed=self.scheduler.take_failed_groups())

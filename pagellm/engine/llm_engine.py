@@ -52,6 +52,10 @@ class LLMEngine:
         for request_id in request_ids:
             self._beam_prompt_lens.pop(request_id, None)
 
+    def shutdown(self) -> None:
+        """Stop the workers (worker processes with a multi-process executor)."""
+        self.engine_core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 

@@ -35,6 +35,16 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (they also stop when the LLM is garbage collected)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -33,14 +33,17 @@ import torch
 from pagellm.config import CacheConfig, ModelConfig
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one block on one rank (a tensor-parallel rank caches only its KV heads)."""
     element_size = torch.tensor([], dtype=model_config.dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * element_size
+    num_kv_heads = model_config.get_num_kv_heads(tensor_parallel_size)
+    return 2 * model_config.num_layers * block_size * num_kv_heads * model_config.head_dim * element_size
 
 
 class CacheEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, num_blocks: int,
-                 device: torch.device, num_host_blocks: int = 0) -> None:
+                 device: torch.device, num_host_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
+        self.num_kv_heads = model_config.get_num_kv_heads(tensor_parallel_size)
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_size = cache_config.block_size
@@ -54,7 +57,7 @@ class CacheEngine:
         self._swap_done = torch.cuda.Event() if self._swap_stream is not None else None
 
     def _shape(self, model_config: ModelConfig, num_blocks: int) -> tuple[int, ...]:
-        return 2, model_config.num_kv_heads, num_blocks, self.block_size, model_config.head_dim
+        return 2, self.num_kv_heads, num_blocks, self.block_size, model_config.head_dim
 
     @torch.inference_mode()
     def swap_out(self, blocks_to_swap_out: list[tuple[int, int]]) -> None:

@@ -1,4 +1,5 @@
-"""Turns a SchedulerOutput into flat model inputs, runs the model over the paged cache, and samples.
+"""Applies each SchedulerOutput to the worker's persistent InputBatch, turns the step's batch into flat model
+inputs, runs the model over the paged cache, and samples.
 
 Inputs are built on the CPU with NumPy (one vectorised pass for the slot mapping) and, on CUDA, staged in
 pinned host buffers and copied with non_blocking=True.
@@ -17,13 +18,14 @@ import numpy as np
 import torch
 
 from pagellm.config import ModelConfig
-from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched_output import SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
 from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
+from pagellm.worker.input_batch import BatchedRequest, InputBatch
 
 logger = init_logger(__name__)
 
@@ -53,9 +55,9 @@ class ModelInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampled: list[ScheduledRequest]  # one per logits row, in order (repeated for num_samples > 1)
+    sampled: list[BatchedRequest]  # one per logits row, in order (repeated for num_samples > 1)
     # (request, flat index of its first token this step): prefill chunks whose prompt logprobs are wanted
-    prompt_logprobs: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[BatchedRequest, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -67,11 +69,17 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.input_batch = InputBatch()
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
         logger.info("Model weights: %.1f MB (quantization: %s).", self.weight_bytes() / 1e6,
                     self.model_config.quantization)
+
+    def forget_requests(self) -> None:
+        """Drop every sequence's state (after the profiling run)."""
+        self.input_batch = InputBatch()
+        self.generators.clear()
 
     def weight_bytes(self) -> int:
         """Bytes of the weight matrices as stored (packed or float): what one decode step streams from memory."""
@@ -85,10 +93,10 @@ class ModelRunner:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     # ---- inputs ------------------------------------------------------------------------------------------
-    def prepare_inputs(self, output: SchedulerOutput) -> ModelInputs:
+    def prepare_inputs(self, batch: list[BatchedRequest]) -> ModelInputs:
         # Decodes (one query token) first: they share one batched attention call.
-        decodes = [r for r in output.scheduled if r.num_tokens == 1]
-        prefills = [r for r in output.scheduled if r.num_tokens != 1]
+        decodes = [r for r in batch if r.num_tokens == 1]
+        prefills = [r for r in batch if r.num_tokens != 1]
         ordered = decodes + prefills
         bs = self.block_size
 
@@ -130,7 +138,7 @@ class ModelRunner:
         return ModelInputs(self._to_device(input_ids), self._to_device(positions), meta,
                            self._to_device(logits_indices), [ordered[i] for i in sampled_rows], prompt_logprobs)
 
-    def sampling_tensors(self, requests: list[ScheduledRequest]) -> SamplingTensors:
+    def sampling_tensors(self, requests: list[BatchedRequest]) -> SamplingTensors:
         params = [r.sampling_params for r in requests]
         vocab = self.model_config.vocab_size
         top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
@@ -213,10 +221,11 @@ class ModelRunner:
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in output.finished_req_ids:
             self.generators.pop(request_id, None)
-        if output.is_empty:
-            return ModelRunnerOutput({})
         start = time.perf_counter()
-        inputs = self.prepare_inputs(output)
+        batch = self.input_batch.update(output)
+        if not batch:
+            return ModelRunnerOutput({})
+        inputs = self.prepare_inputs(batch)
         prepared = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         failed: dict[str, str] = {}
@@ -239,7 +248,7 @@ class ModelRunner:
                   "sample": time.perf_counter() - computed}
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, failed, phases)
 
-    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+    def _sample(self, logits: torch.Tensor, requests: list[BatchedRequest],
                 failed: dict[str, str]) -> dict[int, tuple[int, LogprobsEntry | None]]:
         """Sample every logits row (one per entry of `requests`) of requests not in `failed`, in one batch; if
         that raises, sample each request's rows alone so that only the request that breaks sampling fails (it
@@ -275,7 +284,7 @@ class ModelRunner:
                 _record_failure(failed, request_id, "Sampling", exc)
         return results
 
-    def _sample_rows(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+    def _sample_rows(self, logits: torch.Tensor, requests: list[BatchedRequest],
                      rows: list[int]) -> dict[int, tuple[int, LogprobsEntry | None]]:
         subset = logits if len(rows) == len(requests) else logits[rows]
         out = self.sampler(subset, self.sampling_tensors([requests[row] for row in rows]))

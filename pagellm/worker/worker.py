@@ -7,7 +7,7 @@ import os
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
@@ -30,17 +30,35 @@ def available_host_memory() -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank. `distributed_init_method` (e.g. tcp://host:port) is how the ranks find each other when there is
+    more than one."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
-        self.device = config.device_config.device
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        device = config.device_config.device
+        # One GPU per rank on this machine.
+        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
         self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device)
         self.cache_engine: CacheEngine | None = None
 
     def init_device(self) -> None:
+        parallel = self.config.parallel_config
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             keep_large_allocations_on_heap()
+            if parallel.world_size > 1:
+                # The ranks share this machine's cores instead of each spawning a thread per core.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
+        if parallel.world_size > 1:
+            from pagellm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            init_distributed_environment(parallel.world_size, self.rank, self.distributed_init_method, backend)
+            initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
@@ -78,21 +96,23 @@ class Worker:
         sched, block_size = self.config.scheduler_config, self.config.cache_config.block_size
         num_tokens = sched.max_num_batched_tokens
         lengths = [min(sched.max_model_len, num_tokens - start) for start in range(0, num_tokens, sched.max_model_len)]
-        requests, next_block = [], 0
+        output, next_block = SchedulerOutput(), 0
         for i, length in enumerate(lengths):
             num_blocks = -(-length // block_size)
-            requests.append(ScheduledRequest(f"profile-{i}", [0] * length, 0,
-                                             list(range(next_block, next_block + num_blocks)),
-                                             SamplingParams(temperature=1.0, top_p=0.9, top_k=50), True))
+            output.new_requests.append(NewRequestData(f"profile-{i}", [0] * length, [],
+                                                      SamplingParams(temperature=1.0, top_p=0.9, top_k=50)))
+            output.scheduled.append(ScheduledRequest(f"profile-{i}", length, 0, [],
+                                                     list(range(next_block, next_block + num_blocks)), True))
             next_block += num_blocks
         self.initialize_cache(next_block)
-        self.model_runner.execute_model(SchedulerOutput(scheduled=requests))
+        self.model_runner.execute_model(output)
+        self.model_runner.forget_requests()
         self.cache_engine = None
         self.model_runner.kv_caches = []
 
     def determine_num_blocks(self) -> int:
         model_config, cache_config = self.config.model_config, self.config.cache_config
-        per_block = kv_bytes_per_block(model_config, cache_config.block_size)
+        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size)
         budget = self.determine_kv_cache_bytes()
         num_blocks = budget // per_block
         max_len = self.config.scheduler_config.max_model_len
@@ -114,7 +134,7 @@ class Worker:
         """Blocks of the host tier: swap_space_bytes of host memory, capped (with a warning) at half of what the
         host has free, since the tier is allocated up front (pinned on CUDA)."""
         model_config, cache_config = self.config.model_config, self.config.cache_config
-        per_block = kv_bytes_per_block(model_config, cache_config.block_size)
+        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size)
         swap_bytes, free = cache_config.swap_space_bytes, available_host_memory()
         limit = int(_MAX_HOST_TIER_SHARE * free)
         if swap_bytes > limit:
@@ -126,7 +146,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device,
-                                        num_host_blocks)
+                                        num_host_blocks, self.tensor_parallel_size)
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,6 +1,8 @@
 """Deterministic unit tests of the scheduler, driven by hand: schedule(), fake sampled tokens, update_from_output()."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 from pagellm.config import SchedulerConfig
@@ -8,6 +10,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.input_batch import InputBatch
 
 EOS = 2
 TOKEN = 7  # what the fake model samples unless told otherwise: never eos
@@ -29,9 +32,20 @@ def make_scheduler(*, max_model_len: int = 64, num_blocks: int = 64, block_size:
     return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
+_worker_views: weakref.WeakKeyDictionary[Scheduler, InputBatch] = weakref.WeakKeyDictionary()
+
+
+def schedule(sched: Scheduler):
+    """schedule(sched), also applied to a worker's view of the sequences (built from the outputs' diffs alone);
+    `out.batch` is what that worker runs: each sequence's tokens and whole block table."""
+    out = sched.schedule()
+    out.batch = _worker_views.setdefault(sched, InputBatch()).update(out)
+    return out
+
+
 def step(sched: Scheduler, tokens: dict[str, int] | None = None):
     """One engine step with a fake model; returns (output, updated, finished)."""
-    out = sched.schedule()
+    out = schedule(sched)
     tokens = tokens or {}
     sampled = {s.request_id: [tokens.get(s.request_id, TOKEN)] * s.num_samples for s in out.scheduled if s.needs_sample}
     updated, finished = sched.update_from_output(out, sampled)
@@ -84,7 +98,7 @@ class TestSchedulerConfig:
 # ---- basics ----------------------------------------------------------------------------------------------------
 def test_empty_scheduler_schedules_nothing():
     sched = make_scheduler()
-    out = sched.schedule()
+    out = schedule(sched)
     assert out.is_empty and out.total_num_scheduled_tokens == 0
     assert out.preempted_req_ids == [] and out.finished_req_ids == []
     assert not sched.has_unfinished_requests()
@@ -96,8 +110,8 @@ def test_prefill_then_decode_bookkeeping():
     sched.add_request(req)
     assert req.status == RequestStatus.WAITING and ids(sched.waiting) == ["a"]
 
-    out = sched.schedule()
-    (s,) = out.scheduled
+    out = schedule(sched)
+    (s,) = out.batch
     assert (s.request_id, s.token_ids, s.num_computed_tokens, s.needs_sample) == ("a", req.prompt_token_ids, 0, True)
     assert s.block_ids == blocks_of(sched, "a") and len(s.block_ids) == 2
     assert s.sampling_params is req.sampling_params
@@ -107,10 +121,10 @@ def test_prefill_then_decode_bookkeeping():
     assert req.num_computed_tokens == 5 and req.output_token_ids == [11]
 
     out, _, _ = step(sched, {"a": 12})
-    (s,) = out.scheduled
+    (s,) = out.batch
     assert (s.token_ids, s.num_computed_tokens, s.needs_sample) == ([11], 5, True)
     out, _, finished = step(sched, {"a": 13})
-    assert out.scheduled[0].token_ids == [12] and out.scheduled[0].num_computed_tokens == 6
+    assert out.batch[0].token_ids == [12] and out.scheduled[0].num_computed_tokens == 6
     assert ids(finished) == ["a"]
     assert req.output_token_ids == [11, 12, 13]
     assert req.status == RequestStatus.FINISHED_LENGTH and req.finish_reason == "length"
@@ -188,8 +202,8 @@ def test_long_prompt_is_chunked_and_only_the_last_chunk_samples():
     sched.add_request(req)
     seen = []
     for expected_start, expected_len, expected_sample in ((0, 8, False), (8, 8, False), (16, 4, True)):
-        out = sched.schedule()
-        (s,) = out.scheduled
+        out = schedule(sched)
+        (s,) = out.batch
         assert (s.num_computed_tokens, s.num_tokens, s.needs_sample) == (expected_start, expected_len,
                                                                            expected_sample)
         assert s.token_ids == req.prompt_token_ids[expected_start:expected_start + expected_len]
@@ -206,7 +220,7 @@ def test_long_prompt_is_chunked_and_only_the_last_chunk_samples():
         assert req.num_computed_tokens == expected_start + expected_len
     assert seen == req.prompt_token_ids
     out, _, finished = step(sched)
-    assert plan(out) == [("a", 1)] and out.scheduled[0].token_ids == [55]
+    assert plan(out) == [("a", 1)] and out.batch[0].token_ids == [55]
     assert ids(finished) == ["a"] and req.output_token_ids == [55, TOKEN]
 
 
@@ -318,7 +332,7 @@ def test_preemption_of_the_most_recently_admitted_request():
     # Recompute: b is scheduled from position 0 with prompt + outputs so far, and samples its next token.
     out, _, _ = step(sched, {"b": 34})
     assert plan(out)[0] == ("b", 9)
-    s = out.scheduled[0]
+    s = out.batch[0]
     assert s.token_ids == b.prompt_token_ids + [31, 32, 33]
     assert s.num_computed_tokens == 0 and s.needs_sample
     assert b.output_token_ids == [31, 32, 33, 34]
@@ -489,7 +503,7 @@ def test_abort_running_and_waiting_requests_frees_their_blocks():
     sched.abort_requests(["a", "d"])
     assert not sched.has_unfinished_requests()
     assert pool.num_free_blocks == 16 and sched.kv_cache_manager.req_to_blocks == {}
-    assert sched.schedule().is_empty
+    assert schedule(sched).is_empty
 
 
 def test_abort_a_preempted_request():

@@ -20,6 +20,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.input_batch import InputBatch
 
 EOS = 2
 STOP = 3
@@ -200,6 +201,7 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
                              scheduling_policy=w.policy, preemption_mode=w.preemption_mode)
     sched = Scheduler(config, KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks))
     cache = FakeKVCache(w.num_blocks, w.num_host_blocks, w.block_size)
+    worker = InputBatch()  # what a worker rebuilds from the outputs' diffs alone
     bs = w.block_size
     specs = {s.request_id: s for s in w.specs}
     requests: dict[str, Request] = {}
@@ -233,6 +235,11 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
         waiting_before = [r.request_id for r in sched.waiting]
         had_work = sched.has_unfinished_requests()
         out = sched.schedule()
+        batch = {b.request_id: b for b in worker.update(out)}
+        for new in out.new_requests:  # plain data: nothing aliases the scheduler's lists
+            req = requests.get(new.request_id) or sched.requests[new.request_id]
+            assert new.prompt_token_ids is not req.prompt_token_ids
+            assert new.output_token_ids is not req.output_token_ids
 
         # -- limits
         assert out.total_num_scheduled_tokens <= w.max_num_batched_tokens
@@ -254,6 +261,7 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
         scheduled_tokens = {}
         for s in out.scheduled:
             req = requests[s.request_id]
+            s = batch[s.request_id]  # the worker's view of the step
             spec = specs[req.group_id]
             assert req.status == RequestStatus.RUNNING
             assert s.num_tokens >= 1
@@ -269,7 +277,7 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
             assert len(s.block_ids) == cdiv(end, bs)
             scheduled_tokens[s.request_id] = s.num_tokens
         cache.apply(out)
-        for s in out.scheduled:
+        for s in batch.values():
             admitted = s.request_id in waiting_before or s.request_id not in running_before
             check_from = 0 if admitted else max(s.num_computed_tokens - bs, 0)
             req = requests[s.request_id]

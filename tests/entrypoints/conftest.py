@@ -65,22 +65,6 @@ def hf_greedy():
     return hf_greedy_generate
 
 
-def kv_pool_bytes(model_dir, block_size: int, num_blocks: int) -> int:
-    """Bytes of a float32 KV pool of `num_blocks` blocks for this checkpoint, from its config alone:
-    2 (K and V) * layers * block_size * kv_heads * head_dim * 4."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return num_blocks * 2 * cfg.num_hidden_layers * block_size * kv_heads * head_dim * 4
-
-
-@pytest.fixture(scope="session")
-def pool_bytes():
-    return kv_pool_bytes
-
-
 def assert_no_leaked_blocks(llm) -> None:
     core = llm.llm_engine.engine_core
     pool = core.kv_cache_manager.block_pool

@@ -81,7 +81,10 @@ def peak_blocks(llm: LLM, prompts, params) -> int:
     return peak
 
 
-def test_n_uses_fewer_blocks_than_separate_requests(llm, make_token_prompts, no_leaks):
+def test_n_uses_fewer_blocks_than_separate_requests(model_dir, make_token_prompts, no_leaks):
+    # Without the prefix cache, which would also share the separate requests' prompt blocks.
+    llm = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, kv_cache_memory_bytes=8 << 20,
+              enable_prefix_caching=False)
     prompt = make_token_prompts([40], seed=1)[0]  # exactly 10 full blocks, shared by all 4 sequences
     sampled = dict(temperature=1.0, seed=2, max_tokens=12, ignore_eos=True)
     shared = peak_blocks(llm, [prompt], SamplingParams(n=4, **sampled))

@@ -1,7 +1,7 @@
 """The batched sampler against independent references: straightforward per-row NumPy code and Hugging Face
 transformers' logits processors, plus a chi-square test of the sampled frequencies.
 
-SamplingTensors are built by the real ModelRunner.sampling_tensors from ScheduledRequests (the runner needs only
+SamplingTensors are built by the real ModelRunner.sampling_tensors from BatchedRequests (the runner needs only
 the vocabulary size for that), so the tensor-building path is covered as well.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pagellm import SamplingParams
-from pagellm.core.sched_output import ScheduledRequest
 from pagellm.model_executor.layers.logits_processors import apply_penalties, bad_words_bans, pad_token_lists
 from pagellm.model_executor.layers.sampler import Sampler, apply_min_p, apply_top_k_top_p, gather_logprobs
+from pagellm.worker.input_batch import BatchedRequest
 from pagellm.worker.model_runner import ModelRunner
 
 V = 64
@@ -26,8 +26,8 @@ def runner(vocab: int = V) -> ModelRunner:
     return ModelRunner(SimpleNamespace(vocab_size=vocab), block_size=16, device=torch.device("cpu"))
 
 
-def req(params: SamplingParams, request_id: str = "r", prompt=(), output=(), eos=frozenset()) -> ScheduledRequest:
-    return ScheduledRequest(request_id, [0], 0, [0], params, True, list(prompt), list(output), frozenset(eos))
+def req(params: SamplingParams, request_id: str = "r", prompt=(), output=(), eos=frozenset()) -> BatchedRequest:
+    return BatchedRequest(request_id, [0], 0, [0], params, True, list(prompt), list(output), frozenset(eos))
 
 
 def random_logits(batch: int, vocab: int = V, seed: int = 0) -> torch.Tensor:

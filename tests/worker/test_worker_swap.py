@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagellm.config import CacheConfig, ModelConfig
-from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.config import CacheConfig, ModelConfig, ParallelConfig
+from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.executor.uniproc_executor import UniProcExecutor
 from pagellm.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ def make_worker(swap_space_bytes: int = 0, dtype: torch.dtype = torch.bfloat16) 
                                dtype=dtype, max_model_len=64, max_logprobs=0)
     cache_config = CacheConfig(block_size=16, swap_space_bytes=swap_space_bytes)
     config = SimpleNamespace(model_config=model_config, cache_config=cache_config,
-                             device_config=SimpleNamespace(device=torch.device("cpu")))
+                             device_config=SimpleNamespace(device=torch.device("cpu")), parallel_config=ParallelConfig())
     return Worker(config)
 
 
@@ -122,10 +122,10 @@ def test_the_executor_sizes_and_builds_the_host_tier(executor):
 def greedy_step(request_id: str, prompt: list[int], output: list[int], block_ids: list[int],
                 **moves: list[tuple[int, int]]) -> SchedulerOutput:
     """Prefill `prompt` (while there is no output yet) or decode the last output token, greedily with logprobs."""
-    tokens, computed = (output[-1:], len(prompt) + len(output) - 1) if output else (prompt, 0)
-    request = ScheduledRequest(request_id, tokens, computed, block_ids, SamplingParams(temperature=0.0, logprobs=5),
-                               True, prompt_token_ids=prompt, output_token_ids=output)
-    return SchedulerOutput(scheduled=[request], **moves)
+    num_tokens, computed = (1, len(prompt) + len(output) - 1) if output else (len(prompt), 0)
+    new = NewRequestData(request_id, prompt, output, SamplingParams(temperature=0.0, logprobs=5))
+    scheduled = ScheduledRequest(request_id, num_tokens, computed, [], block_ids, replaces_block_table=True)
+    return SchedulerOutput(new_requests=[new], scheduled=[scheduled], **moves)
 
 
 def test_a_request_swapped_out_and_back_into_other_blocks_decodes_as_if_it_never_left(executor):

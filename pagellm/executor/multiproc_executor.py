@@ -1,0 +1,198 @@
+"""One worker process per rank on this machine (`--distributed-executor-backend mp`).
+
+Each rank is a spawned process running a Worker; the ranks form a torch.distributed group (see distributed/)
+for the model's collectives. The engine talks to them over one pipe each: every call is pickled once and its
+bytes written to every pipe; each rank answers on its own pipe (only the driver, rank 0, with the step's result).
+
+Failure is noticed fast. A monitor thread waits on the processes' sentinels: when a worker exits while the
+executor runs, the executor is marked dead, the failure callbacks run (the server turns /health to 503 even when
+idle), and the other ranks are killed (they would wait forever in a collective with the dead one). A call in
+progress notices within 50 ms. Worker processes also die with the engine process (PR_SET_PDEATHSIG on Linux), so
+no orphan is left behind even if the engine is killed.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import pickle
+import signal
+import socket
+import threading
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from pagellm.config import EngineConfig
+from pagellm.core.sched_output import SchedulerOutput
+from pagellm.exceptions import EngineDeadError
+from pagellm.executor.abstract import Executor
+from pagellm.logger import init_logger
+from pagellm.worker.model_runner import ModelRunnerOutput
+
+logger = init_logger(__name__)
+
+_POLL_SECONDS = 0.05
+_SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+@dataclass
+class _WorkerProcess:
+    rank: int
+    process: BaseProcess
+    conn: Connection
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._failure: str | None = None
+        self._closing = False
+        context = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.workers: list[_WorkerProcess] = []
+        for rank in range(config.parallel_config.world_size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=_run_worker, args=(config, rank, init_method, child_end),
+                                      name=f"pagellm-worker-{rank}", daemon=True)
+            process.start()
+            child_end.close()
+            self.workers.append(_WorkerProcess(rank, process, parent_end))
+        # An executor dropped without shutdown() (an LLM going out of scope) still stops its processes.
+        self._finalizer = weakref.finalize(self, _kill, [worker.process for worker in self.workers])
+        threading.Thread(target=_monitor, args=(weakref.ref(self), self.workers), name="pagellm-worker-monitor",
+                         daemon=True).start()
+        try:
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._send_all(method, args)
+        return [self._receive(worker) for worker in self.workers]
+
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", output)[0]
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for worker in self.workers:
+            try:
+                worker.conn.send_bytes(pickle.dumps(("shutdown", ())))
+            except OSError:
+                pass  # already gone
+        for worker in self.workers:
+            worker.process.join(_SHUTDOWN_GRACE_SECONDS)
+            worker.conn.close()
+        self._finalizer()
+
+    # ---- calls ------------------------------------------------------------------------------------------------
+    def _send_all(self, method: str, args: tuple) -> None:
+        self.check_health()
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for worker in self.workers:
+            try:
+                worker.conn.send_bytes(message)
+            except OSError as exc:
+                raise EngineDeadError(self._fail(f"Worker rank {worker.rank} cannot be reached ({exc}).")) from exc
+
+    def _receive(self, worker: _WorkerProcess) -> Any:
+        while not worker.conn.poll(_POLL_SECONDS):
+            if self._failure is not None or not worker.process.is_alive():
+                raise EngineDeadError(self._failure or self._fail(_exit_message(worker)))
+        try:
+            status, payload = pickle.loads(worker.conn.recv_bytes())
+        except (EOFError, OSError) as exc:  # its end of the pipe closed: it is exiting
+            raise EngineDeadError(self._failure or self._fail(_exit_message(worker))) from exc
+        if status == "error":
+            message = f"Worker rank {worker.rank} failed:\n{payload}"
+            if len(self.workers) > 1:
+                # The other ranks may be waiting in a collective this rank never reached: the group is unusable.
+                raise EngineDeadError(self._fail(message))
+            raise RuntimeError(message)
+        return payload
+
+    # ---- failure ----------------------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> str:
+        """Mark the executor dead (once), stop the other ranks and tell the callbacks; returns the reason."""
+        if self._failure is None:
+            self._failure = reason
+            logger.error("%s Stopping the other workers.", reason)
+            for worker in self.workers:
+                if worker.process.is_alive():
+                    worker.process.kill()
+            self._report_failure(reason)
+        return self._failure
+
+
+def _monitor(executor_ref: weakref.ref, workers: list[_WorkerProcess]) -> None:
+    """Wait for any worker process to exit; unless the executor is shutting down, that is a failure. Holds the
+    executor weakly, so an executor nobody uses can still be collected."""
+    sentinels = {worker.process.sentinel: worker for worker in workers}
+    ready = wait(list(sentinels))
+    executor = executor_ref()
+    if executor is not None and not executor._closing:
+        executor._fail(_exit_message(sentinels[ready[0]]))
+
+
+def _kill(processes: list[BaseProcess]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+
+
+def _exit_message(worker: _WorkerProcess) -> str:
+    worker.process.join(_POLL_SECONDS)
+    return (f"Worker process rank {worker.rank} (pid {worker.process.pid}) exited unexpectedly (exit code "
+            f"{worker.process.exitcode}).")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent dies, however the parent ends."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _run_worker(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
+    """A worker process: answer calls until told to shut down or the engine's end of the pipe closes."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it shuts the workers down
+    from pagellm.worker.worker import Worker
+
+    worker = Worker(config, rank=rank, distributed_init_method=init_method)
+    while True:
+        try:
+            method, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if method == "shutdown":
+            return
+        try:
+            result = getattr(worker, method)(*args)
+            if method == "execute_model" and rank != 0:
+                result = None  # only the driver's result is used: do not pay for pickling the others
+            reply = ("ok", result)
+        except Exception:
+            reply = ("error", traceback.format_exc())
+        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))

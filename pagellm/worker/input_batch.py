@@ -1,0 +1,83 @@
+"""The worker's persistent view of the sequences it runs, kept in step with the scheduler from the diffs in each
+SchedulerOutput (see core/sched_output.py), and the per-step batch built from it.
+
+The worker owns these lists: nothing aliases the scheduler's state, so the same code serves a worker in another
+process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.core.sched_output import NewRequestData, SchedulerOutput
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class CachedRequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    bad_words_token_ids: list[list[int]]
+    all_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> CachedRequestState:
+        return cls(data.request_id, list(data.prompt_token_ids), list(data.output_token_ids), data.sampling_params,
+                   data.eos_token_ids, data.bad_words_token_ids,
+                   all_token_ids=data.prompt_token_ids + data.output_token_ids)
+
+
+@dataclass(slots=True, eq=False)
+class BatchedRequest:
+    """One sequence's part of this step, as the model runner consumes it."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    num_computed_tokens: int  # position of token_ids[0]
+    block_ids: list[int]  # the sequence's whole block table
+    sampling_params: SamplingParams
+    needs_sample: bool
+    # The worker's own lists, read by the sampler for penalties, bad words, min_tokens and prompt logprobs.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    num_samples: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class InputBatch:
+    def __init__(self) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, output: SchedulerOutput) -> list[BatchedRequest]:
+        """Apply the step's diffs; returns its batch in the scheduler's order."""
+        for request_id in (*output.finished_req_ids, *output.preempted_req_ids):
+            self.requests.pop(request_id, None)
+        for data in output.new_requests:
+            self.requests[data.request_id] = CachedRequestState.from_new(data)
+        batch = []
+        for scheduled in output.scheduled:
+            state = self.requests.get(scheduled.request_id)
+            if state is None:
+                raise RuntimeError(f"The worker has no state for request {scheduled.request_id}: the scheduler "
+                                   f"must send a sequence in full before it sends its changes.")
+            if scheduled.new_token_ids:
+                state.output_token_ids += scheduled.new_token_ids
+                state.all_token_ids += scheduled.new_token_ids
+            if scheduled.replaces_block_table:
+                state.block_ids = list(scheduled.new_block_ids)
+            else:
+                state.block_ids += scheduled.new_block_ids
+            start = scheduled.num_computed_tokens
+            batch.append(BatchedRequest(
+                state.request_id, state.all_token_ids[start:start + scheduled.num_tokens], start, state.block_ids,
+                state.sampling_params, scheduled.needs_sample, state.prompt_token_ids, state.output_token_ids,
+                state.eos_token_ids, state.bad_words_token_ids, scheduled.num_samples))
+        return batch
