@@ -40,6 +40,7 @@ _ENGINE_BENCHMARKS = {
     "sweep": "throughput and time per output token against concurrency, to CSV and PNG",
     "accuracy": "perplexity and greedy agreement of --quantization against float32",
     "sharing": "KV blocks saved by sharing for n > 1 and beam search",
+    "control": "per-step cost of the worker boundary: transport, and uni vs mp executors",
 }
 
 
