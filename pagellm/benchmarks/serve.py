@@ -5,6 +5,14 @@ most `--max-concurrency` in flight. Every request streams, and the client timest
 text: TTFT is the first such chunk, ITL the gaps between later ones, E2EL the end of the stream, and TPOT
 (E2EL - TTFT) / (output tokens - 1). `compute_metrics` holds the maths apart from the HTTP code so it can be
 tested on synthetic timings.
+
+`--mix FRACTION:INPUT_LEN:OUTPUT_LEN` makes that share of the random requests long ones and reports TTFT per class:
+p50 and p99 of the short requests, the longest wait of a long one. It compares scheduling policies, which are a
+server flag: serve the model once per policy and run the same load against each, e.g.
+
+    pagellm serve --port 8011 --scheduling-policy fcfs          # then again with short-first
+    pagellm bench serve --port 8011 --num-prompts 60 --random-input-len 64 --random-output-len 32 \
+        --mix 0.1:1024:128 --request-rate 2
 """
 from __future__ import annotations
 
@@ -78,6 +86,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-output-len", type=int, default=128, help="max_tokens (also with --dataset-path)")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths uniform in [len * (1 - r), len * (1 + r)]")
+    parser.add_argument("--mix", type=parse_mix, default=None, metavar="FRACTION:INPUT_LEN:OUTPUT_LEN",
+                        help="make this share of the random requests long ones of these lengths, and report TTFT "
+                             "of short and long requests apart (to compare --scheduling-policy of servers)")
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="do not send ignore_eos (a vLLM extra) to servers that reject it")
     parser.add_argument("--seed", type=int, default=0)
@@ -89,6 +100,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     parser.add_argument("--save-result", default=None, metavar="FILE", help="write the metrics as JSON")
     parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def parse_mix(text: str) -> tuple[float, int, int]:
+    try:
+        fraction, input_len, output_len = text.split(":")
+        mix = float(fraction), int(input_len), int(output_len)
+    except ValueError:
+        mix = None
+    if mix is None or not (0 < mix[0] < 1 and mix[1] >= 1 and mix[2] >= 1):
+        raise argparse.ArgumentTypeError(f"invalid --mix {text!r}: use FRACTION:INPUT_LEN:OUTPUT_LEN with "
+                                         f"0 < FRACTION < 1, e.g. 0.1:1024:128")
+    return mix
 
 
 def compute_metrics(results: list[RequestResult], duration: float, selected: Sequence[str] = tuple(METRICS),
@@ -113,6 +136,15 @@ def compute_metrics(results: list[RequestResult], duration: float, selected: Seq
             metrics[f"p{p:g}_{name}_ms"] = float(np.percentile(values, p))
     metrics["errors"] = [r.error for r in results if not r.success]
     return metrics
+
+
+def class_metrics(results: list[RequestResult], is_long: list[bool]) -> dict:
+    """TTFT of the short requests (p50, p99) and the longest TTFT of a long one, in ms, for `--mix`."""
+    short = compute_metrics([r for r, long in zip(results, is_long) if not long], 1.0, ["ttft"], [50, 99])
+    long = compute_metrics([r for r, long in zip(results, is_long) if long], 1.0, ["ttft"], [100])
+    return {"short_completed": short["completed"], "short_p50_ttft_ms": short["p50_ttft_ms"],
+            "short_p99_ttft_ms": short["p99_ttft_ms"], "long_completed": long["completed"],
+            "long_max_ttft_ms": long["p100_ttft_ms"]}
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
@@ -153,6 +185,18 @@ def random_prompts(tokenizer, n: int, input_len: int, output_len: int, ratio: fl
                                add_special_tokens=False)[:in_len]
         prompts.append(BenchPrompt(tokenizer.decode(ids), len(ids), out_len))
     return prompts
+
+
+def mixed_prompts(tokenizer, n: int, input_len: int, output_len: int, ratio: float, mix: tuple[float, int, int],
+                  seed: int) -> tuple[list[BenchPrompt], list[bool]]:
+    """Random prompts of which round(fraction * n) (at least one), at places drawn from the seed, are long; and
+    which ones those are."""
+    fraction, long_input_len, long_output_len = mix
+    num_long = min(n, max(1, round(fraction * n)))
+    long_at = set(np.random.default_rng(seed).choice(n, size=num_long, replace=False).tolist())
+    short = iter(random_prompts(tokenizer, n - num_long, input_len, output_len, ratio, seed))
+    long = iter(random_prompts(tokenizer, num_long, long_input_len, long_output_len, ratio, seed + 1))
+    return [next(long) if i in long_at else next(short) for i in range(n)], [i in long_at for i in range(n)]
 
 
 def file_prompts(path: str, tokenizer, n: int, output_len: int, ratio: float, seed: int) -> list[BenchPrompt]:
@@ -262,6 +306,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     checks = [(args.num_prompts >= 1, "--num-prompts must be >= 1"),
               (args.random_input_len >= 1 and args.random_output_len >= 1, "random lengths must be >= 1"),
               (0 <= args.random_range_ratio < 1, "--random-range-ratio must be in [0, 1)"),
+              (not (args.mix and args.dataset_path), "--mix applies to random prompts, not --dataset-path"),
               (args.request_rate > 0 and args.burstiness > 0, "--request-rate and --burstiness must be > 0"),
               (args.max_concurrency is None or args.max_concurrency >= 1, "--max-concurrency must be >= 1"),
               (all(m in METRICS for m in selected), f"--percentile-metrics: choose from {','.join(METRICS)}"),
@@ -302,6 +347,13 @@ def format_report(metrics: dict, selected: list[str], percentiles: list[float], 
         lines += [f"{f'{stat.capitalize()} {upper} (ms):':<40} {metrics[f'{stat}_{name}_ms']:<10.2f}"
                   for stat in ("mean", "median", "std")]
         lines += [f"{f'P{p:g} {upper} (ms):':<40} {metrics[f'p{p:g}_{name}_ms']:<10.2f}" for p in percentiles]
+    if "long_max_ttft_ms" in metrics:
+        lines.append("{s:{c}^50}".format(s="TTFT by request class (--mix)", c="-"))
+        lines += [f"{'Short requests completed:':<40} {metrics['short_completed']:<10}",
+                  f"{'Short P50 TTFT (ms):':<40} {metrics['short_p50_ttft_ms']:<10.2f}",
+                  f"{'Short P99 TTFT (ms):':<40} {metrics['short_p99_ttft_ms']:<10.2f}",
+                  f"{'Long requests completed:':<40} {metrics['long_completed']:<10}",
+                  f"{'Long max TTFT (ms):':<40} {metrics['long_max_ttft_ms']:<10.2f}"]
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -317,9 +369,13 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"{base_url}/v1/models names no model; pass --model")
 
     tokenizer = load_tokenizer(args.tokenizer)
+    is_long = None
     if args.dataset_path:
         prompts = file_prompts(args.dataset_path, tokenizer, args.num_prompts, args.random_output_len,
                                args.random_range_ratio, args.seed)
+    elif args.mix:
+        prompts, is_long = mixed_prompts(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                         args.random_range_ratio, args.mix, args.seed)
     else:
         prompts = random_prompts(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, args.seed)
@@ -331,13 +387,16 @@ def run(args: argparse.Namespace) -> dict:
     results, duration = asyncio.run(benchmark(url, headers, payloads, [p.prompt_len for p in prompts], chat,
                                               offsets, args.max_concurrency, args.disable_tqdm))
     metrics = compute_metrics(results, duration, selected, percentiles)
+    if is_long is not None:
+        metrics.update(class_metrics(results, is_long))
     if metrics["errors"]:
         print(f"{metrics['failed']} requests failed; first errors:")
         for error in list(dict.fromkeys(metrics["errors"]))[:3]:  # distinct ones: one cause often fails many
             print(f"  {error}")
     print(format_report(metrics, selected, percentiles, args.max_concurrency))
     if args.save_result:
-        config = {k: getattr(args, k) for k in ("backend", "num_prompts", "burstiness", "max_concurrency", "seed")}
+        config = {k: getattr(args, k) for k in ("backend", "num_prompts", "burstiness", "max_concurrency", "seed",
+                                                "mix")}
         config["request_rate"] = args.request_rate if math.isfinite(args.request_rate) else "inf"  # strict JSON
         Path(args.save_result).write_text(json.dumps({**config, "url": url, "model": model, **metrics}, indent=2))
     return metrics

@@ -1,5 +1,6 @@
 """The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), and the benchmarks
-`bench throughput`, `bench latency`, `bench sweep`, `bench accuracy`, `bench serve`, `bench soak`, `bench sharing`."""
+`bench throughput`, `bench latency`, `bench sweep`, `bench accuracy`, `bench serve`, `bench soak`, `bench sharing`,
+`bench prefix`, `bench memory`."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,8 @@ _ENGINE_BENCHMARKS = {
     "sweep": "throughput and time per output token against concurrency, to CSV and PNG",
     "accuracy": "perplexity and greedy agreement of --quantization against float32",
     "sharing": "KV blocks saved by sharing for n > 1 and beam search",
+    "prefix": "prefix caching on vs off: a shared system prompt and a chat replay (tok/s, TTFT, hit rate)",
+    "memory": "a small KV pool: recompute vs swap preemption, outputs compared, KV token efficiency",
     "control": "per-step cost of the worker boundary: transport, and uni vs mp executors",
 }
 
