@@ -9,7 +9,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from pagellm.model_executor.layers import linear as linear_module
-from pagellm.model_executor.layers.linear import Linear, MergedLinear, VocabEmbedding
+from pagellm.model_executor.layers.linear import Linear, MergedColumnParallelLinear
+from pagellm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagellm.model_executor.layers.quantization import PackedTensor, quantize_q8_0
 
 
@@ -52,7 +53,7 @@ def test_float32_small_batch_kernel_matches_torch():
 
 
 def test_merged_linear_packs_when_all_shards_share_a_type():
-    layer = MergedLinear(64, [32, 16, 16])
+    layer = MergedColumnParallelLinear(64, [32, 16, 16])
     shards = [packed(32, 64, QT.Q4_0, 1), packed(16, 64, QT.Q4_0, 2), packed(16, 64, QT.Q4_0, 3)]
     for index in (2, 0, 1):  # any order
         layer.load_shard(shards[index], index, "gguf")
@@ -61,7 +62,7 @@ def test_merged_linear_packs_when_all_shards_share_a_type():
     want = torch.cat([x @ s.dequantize().T for s in shards], dim=1)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
-    mixed = MergedLinear(64, [32, 16])
+    mixed = MergedColumnParallelLinear(64, [32, 16])
     mixed.load_shard(packed(32, 64, QT.Q4_0, 1), 0, "gguf")
     assert mixed.has_pending_shards
     mixed.load_shard(packed(16, 64, QT.Q8_0, 2), 1, "gguf")
@@ -73,12 +74,12 @@ def test_shape_mismatch_is_an_error():
     with pytest.raises(ValueError, match="expected"):
         Linear(64, 8).load_weight(packed(16, 64, QT.Q8_0), "gguf")
     with pytest.raises(ValueError, match="shard 1 has 8 rows, expected 16"):
-        MergedLinear(64, [32, 16]).load_shard(packed(8, 64, QT.Q8_0), 1, "gguf")
+        MergedColumnParallelLinear(64, [32, 16]).load_shard(packed(8, 64, QT.Q8_0), 1, "gguf")
 
 
 def test_vocab_embedding_lookup_and_tied_head():
     weight = packed(50, 64, QT.Q8_0)
-    embedding = VocabEmbedding(50, 64)
+    embedding = VocabParallelEmbedding(50, 64)
     embedding.load_weight(weight, "gguf")
     ids = torch.tensor([3, 0, 49, 3])
     assert torch.equal(embedding(ids), weight.dequantize()[ids])

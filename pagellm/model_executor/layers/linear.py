@@ -1,5 +1,6 @@
-"""Linear layers whose weight is a float matrix or packed GGUF blocks, and the vocabulary embedding that shares
-their storage (a tied LM head multiplies with it like any linear layer).
+"""Linear layers whose weight is a float matrix or packed GGUF blocks, whole on every rank (`Linear`) or split
+across the tensor-parallel ranks (vLLM's layouts, Megatron's split: column-parallel layers feed row-parallel ones
+with no communication between them, and each row-parallel output is summed over the ranks once).
 
 Fusing q/k/v and gate/up into one matmul each halves the number of kernel launches per layer; a fused layer is
 loaded shard by shard and stored once all its shards are in. A packed weight (`qweight`: uint8 rows of ggml
@@ -8,17 +9,21 @@ for up to KERNEL_MAX_ROWS activation rows; longer inputs (prefill) dequantize it
 PyTorch's GEMM, where the arithmetic dwarfs the conversion. Float32 weights on the CPU also go through the kernel
 for up to KERNEL_MAX_ROWS rows: PyTorch's GEMV runs far below the memory bandwidth, and at decode batch sizes
 its GEMM trails the kernel too (measured: 132 vs 73 ms for SmolLM2's layers at 32 rows).
+
+Sizes given to the parallel layers are the checkpoint's (whole model); `input_size` / `output_size` on every
+layer are this rank's. With one rank every split is the whole matrix and nothing is communicated.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from pagellm.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagellm.kernels import linear as kernels
-from pagellm.logger import init_logger
 from pagellm.model_executor.layers.quantization import PackedTensor, quantize_q8_0
-
-logger = init_logger(__name__)
+from pagellm.model_executor.layers.sharding import Weight, check_shape, divide, narrow_columns, narrow_rows
 
 KERNEL_MAX_ROWS = 64  # measured: above this PyTorch's float32 GEMM (after dequantizing packed weights) wins
 
@@ -29,6 +34,8 @@ def _kernel_can_pack(qtype: int, like: torch.Tensor) -> bool:
 
 
 class Linear(nn.Module):
+    """y = x W^T + b with the whole matrix on this rank: the storage and matmul every layer here shares."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
@@ -54,12 +61,14 @@ class Linear(nn.Module):
                 return self.kernel(x)
         return nn.functional.linear(x, self.weight)
 
-    def load_weight(self, loaded: torch.Tensor | PackedTensor, quantization: str) -> None:
+    def load_weight(self, loaded: Weight, quantization: str) -> None:
         """Store a checkpoint matrix: packed when `quantization` allows and the kernel handles its type, else as
         float in the parameter's dtype."""
-        if tuple(loaded.shape) != (self.output_size, self.input_size):
-            raise ValueError(f"Checkpoint matrix has shape {tuple(loaded.shape)}, expected "
-                             f"{(self.output_size, self.input_size)}.")
+        check_shape(loaded, (self.output_size, self.input_size))
+        self._store(loaded, quantization)
+
+    def _store(self, loaded: Weight, quantization: str) -> None:
+        """Keep this rank's matrix [output_size, input_size]."""
         packed = loaded if isinstance(loaded, PackedTensor) else None
         if packed is None and quantization == "int8" and self.input_size % 32 == 0:
             packed = quantize_q8_0(loaded)
@@ -74,51 +83,132 @@ class Linear(nn.Module):
             self.kernel = kernels.PackedMatmul(self.weight.data.view(torch.uint8), kernels.T.F32, self.input_size)
 
 
-class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dimension (q|k|v, gate|up)."""
+@dataclass(frozen=True, slots=True)
+class OutputShard:
+    """Rows [start, start + size) of a projection with `total` rows in the checkpoint: what this rank computes."""
+    total: int
+    start: int
+    size: int
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self._shards: dict[int, torch.Tensor | PackedTensor] = {}
+
+class ColumnParallelLinear(Linear):
+    """Output features split across the ranks: each rank computes its slice of y, which stays split (the next
+    row-parallel layer takes it as its input slice). The layer may stack several projections of the same input
+    (`output_sizes`), each split on its own so every rank holds a slice of each; `output_sizes` and `offsets`
+    are then this rank's rows per projection."""
+
+    def __init__(self, input_size: int, output_size: int | list[int], bias: bool = False) -> None:
+        self.tp: GroupCoordinator = get_tp_group()
+        totals = [output_size] if isinstance(output_size, int) else list(output_size)
+        self.output_shards = self._shard_outputs(totals)
+        super().__init__(input_size, sum(s.size for s in self.output_shards), bias)
+        self.output_sizes = [s.size for s in self.output_shards]
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        self._shards: dict[int, Weight] = {}
+
+    def _shard_outputs(self, totals: list[int]) -> list[OutputShard]:
+        """Which rows of each projection this rank keeps: an even split."""
+        shards = []
+        for total in totals:
+            size = divide(total, self.tp.world_size, "output size")
+            shards.append(OutputShard(total, self.tp.rank * size, size))
+        return shards
 
     @property
     def has_pending_shards(self) -> bool:
         return bool(self._shards)
 
-    def load_shard(self, loaded: torch.Tensor | PackedTensor, shard: int, quantization: str) -> None:
-        """Keep shard `shard` until every shard is in, then store the stacked matrix (packed when all shards share
-        one storage type)."""
-        if loaded.shape[0] != self.output_sizes[shard]:
+    def load_weight(self, loaded: Weight, quantization: str) -> None:
+        """The checkpoint's matrix with every projection of this layer stacked."""
+        check_shape(loaded, (sum(s.total for s in self.output_shards), self.input_size))
+        start = 0
+        for index, shard in enumerate(self.output_shards):
+            self.load_shard(narrow_rows(loaded, start, shard.total), index, quantization)
+            start += shard.total
+
+    def load_shard(self, loaded: Weight, shard: int, quantization: str) -> None:
+        """Keep this rank's rows of projection `shard` until every projection is in, then store the stacked
+        matrix (packed when all share one storage type)."""
+        if loaded.shape[0] != self.output_shards[shard].total:
             raise ValueError(f"Checkpoint shard {shard} has {loaded.shape[0]} rows, expected "
-                             f"{self.output_sizes[shard]}.")
-        self._shards[shard] = loaded
-        if len(self._shards) < len(self.output_sizes):
+                             f"{self.output_shards[shard].total}.")
+        check_shape(loaded, (loaded.shape[0], self.input_size))
+        self._shards[shard] = narrow_rows(loaded, self.output_shards[shard].start, self.output_shards[shard].size)
+        if len(self._shards) < len(self.output_shards):
             return
-        shards = [self._shards.pop(i) for i in range(len(self.output_sizes))]
+        shards = [self._shards.pop(i) for i in range(len(self.output_shards))]
         types = {s.qtype if isinstance(s, PackedTensor) else None for s in shards}
-        if len(types) == 1 and None not in types:
+        if len(shards) == 1:
+            stacked = shards[0]
+        elif len(types) == 1 and None not in types:
             stacked = PackedTensor(shards[0].qtype, torch.cat([s.data for s in shards]),
                                    (self.output_size, self.input_size))
         else:  # mixed storage (e.g. a Q6_K v_proj beside Q4_K q/k): one float matrix
             stacked = torch.cat([s.dequantize() if isinstance(s, PackedTensor) else s for s in shards])
-        self.load_weight(stacked, quantization)
+        self._store(stacked, quantization)
 
     def load_bias_shard(self, loaded: torch.Tensor, shard: int) -> None:
-        start, size = self.offsets[shard], self.output_sizes[shard]
-        if loaded.shape[0] != size:
-            raise ValueError(f"Checkpoint shard {shard} has {loaded.shape[0]} rows, expected {size}.")
-        self.bias.data[start:start + size].copy_(loaded)
+        """This rank's part of projection `shard`'s bias (`shard` 0 of a single projection: the whole bias)."""
+        rows = self.output_shards[shard]
+        if loaded.shape[0] != rows.total:
+            raise ValueError(f"Checkpoint shard {shard} has {loaded.shape[0]} rows, expected {rows.total}.")
+        start = self.offsets[shard]
+        self.bias.data[start:start + rows.size].copy_(narrow_rows(loaded, rows.start, rows.size))
 
 
-class VocabEmbedding(Linear):
-    """Token embeddings [vocab, hidden]; `matmul` is the tied LM head."""
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several projections of the same input stacked along the output dimension (gate|up), each split across
+    the ranks on its own."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__(hidden_size, vocab_size)
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, output_sizes, bias)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.qweight_type is not None:
-            return kernels.dequantize_rows(self.qweight, self.qweight_type, token_ids, self.input_size)
-        return nn.functional.embedding(token_ids, self.weight)
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q|k|v split by heads: each rank computes total_num_heads / tp query heads and the KV heads they attend
+    with. With fewer KV heads than ranks the KV heads are replicated: each rank keeps the one KV head its query
+    heads use (num_kv_heads is then 1)."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False) -> None:
+        self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, total_num_kv_heads
+        q_size, kv_size = total_num_heads * head_size, total_num_kv_heads * head_size
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
+        # This rank's heads: what attention and the KV cache are sized by.
+        self.num_heads = self.output_sizes[0] // head_size
+        self.num_kv_heads = self.output_sizes[1] // head_size
+
+    def _shard_outputs(self, totals: list[int]) -> list[OutputShard]:
+        tp, rank = self.tp.world_size, self.tp.rank
+        heads = divide(self.total_num_heads, tp, "number of attention heads")
+        if self.total_num_kv_heads >= tp:
+            kv_heads = divide(self.total_num_kv_heads, tp, "number of KV heads")
+        elif tp % self.total_num_kv_heads:
+            raise ValueError(f"The tensor parallel size ({tp}) must be a multiple of the number of KV heads "
+                             f"({self.total_num_kv_heads}) when it is larger.")
+        else:
+            kv_heads = 1
+        # Query head h attends with KV head h // (heads per KV head), so this rank's first query head
+        # (rank * heads) picks KV head rank * total_kv // tp; when replicated, tp / total_kv ranks share it.
+        kv_start = rank * self.total_num_kv_heads // tp
+        q = OutputShard(totals[0], rank * heads * self.head_size, heads * self.head_size)
+        kv = OutputShard(totals[1], kv_start * self.head_size, kv_heads * self.head_size)
+        return [q, kv, kv]
+
+
+class RowParallelLinear(Linear):
+    """Input features split across the ranks: each rank multiplies its slice of x (the previous column-parallel
+    layer's output) by its columns of W, and the partial products are summed over the ranks; the bias is added
+    once, after the sum."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        self.tp: GroupCoordinator = get_tp_group()
+        super().__init__(divide(input_size, self.tp.world_size, "input size"), output_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(self.matmul(x))
+        return out if self.bias is None else out + self.bias
+
+    def load_weight(self, loaded: Weight, quantization: str) -> None:
+        check_shape(loaded, (self.output_size, self.input_size * self.tp.world_size))
+        self._store(narrow_columns(loaded, self.tp.rank * self.input_size, self.input_size), quantization)

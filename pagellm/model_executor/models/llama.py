@@ -1,5 +1,9 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral), parameterised for its close relatives:
-QKV bias (Qwen2) and per-head Q/K RMSNorm (Qwen3) are switches, not copies of the model."""
+QKV bias (Qwen2) and per-head Q/K RMSNorm (Qwen3) are switches, not copies of the model.
+
+Under tensor parallelism (the TP group set up before the model is built) each rank holds a slice of every layer:
+its attention heads (attention and its KV cache see only those; Q/K norms act per head), its MLP columns and
+its vocabulary rows; o_proj, down_proj and the embedding sum over the ranks, the LM head gathers the logits."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -7,26 +11,31 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels import decoder as fused_decoder_kernels
 from pagellm.kernels import elementwise
 from pagellm.kernels.decoder import FusedDecoder, LayerWeights
 from pagellm.model_executor.layers.activation import SiluAndMul
 from pagellm.model_executor.layers.attention import Attention, AttentionMetadata
 from pagellm.model_executor.layers.layernorm import RMSNorm
-from pagellm.model_executor.layers.linear import KERNEL_MAX_ROWS, Linear, MergedLinear, VocabEmbedding
+from pagellm.model_executor.layers.linear import (KERNEL_MAX_ROWS, ColumnParallelLinear, Linear,
+                                                  MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagellm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                          bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb
@@ -48,8 +57,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=getattr(config, "mlp_bias", False))
-        self.down_proj = Linear(size, config.hidden_size, bias=getattr(config, "mlp_bias", False))
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +93,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
         self.config = config
+        self.tp_size = get_tp_group().world_size  # ranks every layer below is split over
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin cache shared by every layer.
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)
@@ -93,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.vocab_size, config.hidden_size)
         self._fused: FusedDecoder | bool | None = None  # None: not built yet; False: does not apply
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -109,14 +120,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def fused_decoder(self) -> FusedDecoder | None:
-        """Every layer of a decode step in one C call (float32 on the CPU, every projection on the C kernel), built
-        on first use; None where it does not apply, and then the modules run one by one."""
+        """Every layer of a decode step in one C call (float32 on the CPU, every projection on the C kernel, one
+        rank), built on first use; None where it does not apply, and then the modules run one by one."""
         if self._fused is None:
             self._fused = self._build_fused_decoder() or False
         return self._fused or None
 
     def _build_fused_decoder(self) -> FusedDecoder | None:
-        if not self.use_fused_decoder or fused_decoder_kernels.load() is None:
+        # The C call runs every layer back to back, with no way to sum row-parallel outputs over the ranks.
+        if not self.use_fused_decoder or self.tp_size > 1 or fused_decoder_kernels.load() is None:
             return None
         layers = []
         for layer in self.layers:
@@ -135,8 +147,9 @@ class LlamaForCausalLM(nn.Module):
                             sin_table=self.rotary_emb.sin_cache)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return head.matmul(hidden).float()
+        """Logits over the whole vocabulary (on every rank)."""
+        logits = self.embed_tokens.compute_logits(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedTensor]],
                      quantization: str = "none") -> set[str]:
@@ -172,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         missing = set(params) - loaded
         missing |= {f"{module_name}.weight (some of its shards)" for module_name, module in self.named_modules()
-                    if isinstance(module, MergedLinear) and module.has_pending_shards}
+                    if isinstance(module, ColumnParallelLinear) and module.has_pending_shards}
         if missing:
             raise ValueError(f"Checkpoint is missing weights: {sorted(missing)[:8]}")
         return loaded
