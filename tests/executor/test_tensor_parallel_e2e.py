@@ -29,10 +29,10 @@ def assert_same(got: tuple, want: tuple) -> None:
     assert got[2:] == want[2:]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_two_ranks_equal_one_on_tiny_models(kind, tiny_model_factory, make_token_prompts, pool_bytes):
-    """A 10-block pool and a 32-token budget: chunked prefill and preemption happen in both runs alike."""
-    model_dir = tiny_model_factory(kind)
+def test_two_ranks_equal_one_on_a_tiny_model(tiny_model_factory, make_token_prompts, pool_bytes):
+    """A 10-block pool and a 32-token budget: chunked prefill and preemption happen in both runs alike. (Every
+    architecture's layers are compared rank by rank in tests/distributed.)"""
+    model_dir = tiny_model_factory("llama")
     prompts = make_token_prompts([7, 40, 70, 100], seed=21)
     results = {}
     for tp in (1, 2):
