@@ -22,27 +22,19 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched_policy import SchedulingPolicy
+from pagellm.core.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
 
 logger = init_logger(__name__)
-
-
-@dataclass(slots=True)
-class _SentState:
-    """How much of a sequence the workers have: its first `num_tokens` tokens and `num_blocks` blocks."""
-
-    num_tokens: int
-    num_blocks: int
 
 
 class Scheduler:
@@ -58,7 +50,7 @@ class Scheduler:
         self.groups: dict[str, set[str]] = {}  # group id -> ids of its live sequences
         self._finished_beam_groups: list[BeamGroup] = []
         self._failed_groups: dict[str, str] = {}  # group id -> why it failed, until taken
-        self._sent_to_workers: dict[str, _SentState] = {}  # sequences the workers hold, and how much of each
+        self.worker_view = WorkerView(kv_cache_manager)  # what the workers hold of each sequence
 
     # ---- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
@@ -302,30 +294,16 @@ class Scheduler:
     def _schedule(self, request: Request, num_new: int, output: SchedulerOutput) -> ScheduledRequest:
         """The request's part of the step, as a diff against what the workers already have (see sched_output.py):
         a sequence they do not know yet is added to `output.new_requests` in full."""
-        request_id = request.request_id
         needs_sample = request.num_computed_tokens + num_new == request.num_tokens
         scheduled = ScheduledRequest(
-            request_id, num_new, request.num_computed_tokens, needs_sample=needs_sample,
+            request.request_id, num_new, request.num_computed_tokens, needs_sample=needs_sample,
             # n > 1: the first sample is drawn n times from the same logits, then the request forks.
             num_samples=self._num_sequences(request) if needs_sample else 1)
-        sent = self._sent_to_workers.get(request_id)
-        rewritten = self.kv_cache_manager.take_rewritten_table(request_id)
-        if sent is None:
-            output.new_requests.append(NewRequestData(
-                request_id, list(request.prompt_token_ids), list(request.output_token_ids), request.sampling_params,
-                request.eos_token_ids, request.bad_words_token_ids))
-            sent = self._sent_to_workers[request_id] = _SentState(request.num_tokens, 0)
-        else:
-            scheduled.new_token_ids = request.all_token_ids[sent.num_tokens:]
-            sent.num_tokens = request.num_tokens
-        if sent.num_blocks == 0 or rewritten:
-            scheduled.replaces_block_table, sent.num_blocks = True, 0
-        scheduled.new_block_ids = self.kv_cache_manager.get_block_ids(request_id, sent.num_blocks)
-        sent.num_blocks += len(scheduled.new_block_ids)
+        self.worker_view.fill(scheduled, request, output)
         return scheduled
 
     def _preempt(self, request: Request, to_front: bool = True) -> None:
-        self._sent_to_workers.pop(request.request_id, None)  # the workers drop it; resent in full on resume
+        self.worker_view.forget(request.request_id)
         """Swap the request's K/V out to the host tier (preemption_mode="swap", when the host tier has room and
         the request is not a beam) or drop them to be recomputed, keep the tokens, and go back in line (to its
         front under fcfs)."""
@@ -487,7 +465,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        self._sent_to_workers.pop(request.request_id, None)
+        self.worker_view.forget(request.request_id)
         request.status = status
         self.kv_cache_manager.free(request)
         self._finished_req_ids.append(request.request_id)
