@@ -40,7 +40,7 @@ def test_latency_against_transformers_with_step_split(tiny_model_factory):
 
 def test_sweep_writes_csv_and_png(tiny_model_factory, tmp_path):
     cli("sweep", "--model", str(tiny_model_factory("llama")), "--backends", "pagellm,hf", "--concurrency", "1,2",
-        "--input-len", "8", "--output-len", "16", "--output", str(tmp_path / "sweep"), "--kv-cache-memory", "8MiB")
+        "--input-len", "8", "--output-len", "48", "--output", str(tmp_path / "sweep"), "--kv-cache-memory", "8MiB")
     with open(tmp_path / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["backend"], r["concurrency"]) for r in rows] == [
