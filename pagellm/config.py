@@ -162,6 +162,16 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step result the engine uses: the last pipeline stage's first tensor-parallel rank (the
+        only stage that computes logits; ranks are laid out pp_rank * tp + tp_rank)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage of global rank `rank`."""
+        return rank // self.tensor_parallel_size
+
 
 @dataclass
 class DeviceConfig:

@@ -5,6 +5,9 @@ Ranks are laid out as vLLM lays them out, tensor-parallel ranks adjacent: global
 Until `initialize_model_parallel` runs, both groups are this process alone (size 1, collectives return their
 input), so the single-process engine needs no process group at all.
 
+A pipeline stage holds a contiguous range of the decoder layers (`stage_layer_range`) and passes its activations
+to the next stage with point-to-point `send_next` / `recv_prev` over the PP group.
+
 Order, in every rank's process, before the model is built (its layers read their group when constructed):
     init_distributed_environment(world_size, rank, "tcp://host:port" or "file:///path", backend)
     initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
@@ -42,6 +45,24 @@ class GroupCoordinator:
         dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    def send_next(self, tensor: torch.Tensor) -> None:
+        """Send `tensor` to the next rank of the group (blocks until it is received: gloo has no buffering)."""
+        dist.send(tensor.contiguous(), dst=self.ranks[self.rank + 1], group=self.group)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of this shape and dtype from the previous rank of the group (the receiver must know both)."""
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=self.ranks[self.rank - 1], group=self.group)
+        return tensor
+
 
 def _single_rank() -> GroupCoordinator:
     return GroupCoordinator(rank=0, world_size=1, ranks=[0])
@@ -57,6 +78,14 @@ def get_tp_group() -> GroupCoordinator:
 
 def get_pp_group() -> GroupCoordinator:
     return _PP
+
+
+def stage_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The [start, end) decoder layers pipeline stage `pp_rank` of `pp_size` holds: an even split, the earlier
+    stages taking one more layer each while the remainder lasts."""
+    base, remainder = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, remainder)
+    return start, start + base + (pp_rank < remainder)
 
 
 def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str = "env://",

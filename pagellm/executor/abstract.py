@@ -1,5 +1,6 @@
-"""The engine's only way to its workers: an Executor runs each step on every rank and returns the driver rank's
-result. `Executor.create` picks the implementation from `--distributed-executor-backend`."""
+"""The engine's only way to its workers: an Executor runs each step on every rank and returns the output rank's
+result (`ParallelConfig.output_rank`: the last pipeline stage's first tensor-parallel rank).
+`Executor.create` picks the implementation from `--distributed-executor-backend`."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -34,7 +35,7 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; returns the driver rank's output."""
+        """Run one step on every rank; returns the output rank's output."""
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker is gone."""

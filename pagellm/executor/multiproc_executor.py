@@ -2,7 +2,8 @@
 
 Each rank is a spawned process running a Worker; the ranks form a torch.distributed group (see distributed/)
 for the model's collectives. The engine talks to them over one pipe each: every call is pickled once and its
-bytes written to every pipe; each rank answers on its own pipe (only the driver, rank 0, with the step's result).
+bytes written to every pipe; each rank answers on its own pipe (only the output rank, the last pipeline stage's
+first tensor-parallel rank, with the step's result).
 
 Failure is noticed fast. A monitor thread waits on the processes' sentinels: when a worker exits while the
 executor runs, the executor is marked dead, the failure callbacks run (the server turns /health to 503 even when
@@ -76,7 +77,7 @@ class MultiprocExecutor(Executor):
         return [self._receive(worker) for worker in self.workers]
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", output)[0]
+        return self.collective_rpc("execute_model", output)[self.config.parallel_config.output_rank]
 
     def check_health(self) -> None:
         if self._failure is not None:
@@ -190,8 +191,8 @@ def _run_worker(config: EngineConfig, rank: int, init_method: str, conn: Connect
             return
         try:
             result = getattr(worker, method)(*args)
-            if method == "execute_model" and rank != 0:
-                result = None  # only the driver's result is used: do not pay for pickling the others
+            if method == "execute_model" and rank != config.parallel_config.output_rank:
+                result = None  # only the output rank's result is used: do not pay for pickling the others
             reply = ("ok", result)
         except Exception:
             reply = ("error", traceback.format_exc())

@@ -2,7 +2,7 @@
 
 The ranks are placed with a placement group (one bundle per rank: a GPU on CUDA, a CPU otherwise), joined into
 one torch.distributed group whose rendezvous is rank 0's node, and driven as the multi-process executor drives
-its processes: every call goes to every rank and only the driver rank's step result comes back.
+its processes: every call goes to every rank and only the output rank's step result comes back.
 
 Without a running cluster (`ray start --head` and `RAY_ADDRESS`, or `ray.init` already called) a local Ray
 instance is started. A dead actor is noticed on the next call and by a monitor that waits on a never-ending
@@ -59,7 +59,7 @@ class RayWorker:
 
     def call(self, method: str, *args: Any) -> Any:
         result = getattr(self.worker, method)(*args)
-        return None if method == "execute_model" and self.rank != 0 else result
+        return None if method == "execute_model" and self.rank != self.config.parallel_config.output_rank else result
 
     def wait_until_stopped(self) -> None:
         """Never returns while the actor lives: the monitor's way to learn that it died."""
@@ -110,7 +110,7 @@ class RayExecutor(Executor):
             raise RuntimeError(str(exc)) from exc
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", output)[0]
+        return self.collective_rpc("execute_model", output)[self.config.parallel_config.output_rank]
 
     def check_health(self) -> None:
         if self._failure is not None:

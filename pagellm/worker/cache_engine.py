@@ -33,22 +33,27 @@ import torch
 from pagellm.config import CacheConfig, ModelConfig
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one block on one rank (a tensor-parallel rank caches only its KV heads)."""
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, tensor_parallel_size: int = 1,
+                       num_layers: int | None = None) -> int:
+    """Bytes of one block on one rank (a tensor-parallel rank caches only its KV heads, a pipeline stage only its
+    `num_layers` layers; None: every layer)."""
     element_size = torch.tensor([], dtype=model_config.dtype).element_size()
     num_kv_heads = model_config.get_num_kv_heads(tensor_parallel_size)
-    return 2 * model_config.num_layers * block_size * num_kv_heads * model_config.head_dim * element_size
+    num_layers = model_config.num_layers if num_layers is None else num_layers
+    return 2 * num_layers * block_size * num_kv_heads * model_config.head_dim * element_size
 
 
 class CacheEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, num_blocks: int,
-                 device: torch.device, num_host_blocks: int = 0, tensor_parallel_size: int = 1) -> None:
+                 device: torch.device, num_host_blocks: int = 0, tensor_parallel_size: int = 1,
+                 num_layers: int | None = None) -> None:
         self.num_kv_heads = model_config.get_num_kv_heads(tensor_parallel_size)
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_size = cache_config.block_size
         self.device = device
-        dtype, layers = model_config.dtype, range(model_config.num_layers)
+        # A pipeline stage caches its own layers only (`num_layers`; None: every layer).
+        dtype, layers = model_config.dtype, range(model_config.num_layers if num_layers is None else num_layers)
         self.kv_caches = [zeros(self._shape(model_config, num_blocks), dtype, device) for _ in layers]
         host_shape = self._shape(model_config, num_host_blocks)
         self.host_caches = [host_zeros(host_shape, dtype, device) for _ in layers] if num_host_blocks else []

@@ -228,6 +228,9 @@ class ModelRunner:
         inputs = self.prepare_inputs(batch)
         prepared = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if hidden is None:  # a pipeline stage before the last: it sent its activations on, the last one samples
+            return ModelRunnerOutput({}, phase_seconds={"prepare_inputs": prepared - start,
+                                                        "forward": time.perf_counter() - prepared})
         failed: dict[str, str] = {}
         prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs, failed) if inputs.prompt_logprobs else {}
         if not inputs.sampled:

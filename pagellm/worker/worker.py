@@ -8,6 +8,7 @@ import torch
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.distributed.parallel_state import stage_layer_range
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
@@ -37,7 +38,12 @@ class Worker:
         self.config = config
         self.rank = rank
         self.distributed_init_method = distributed_init_method
-        self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        parallel = config.parallel_config
+        self.tensor_parallel_size = parallel.tensor_parallel_size
+        # The decoder layers (and so the KV cache layers) of this rank's pipeline stage.
+        start, end = stage_layer_range(config.model_config.num_layers, parallel.pp_rank(rank),
+                                       parallel.pipeline_parallel_size)
+        self.num_layers = end - start
         device = config.device_config.device
         # One GPU per rank on this machine.
         self.device = torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
@@ -51,8 +57,9 @@ class Worker:
         else:
             keep_large_allocations_on_heap()
             if parallel.world_size > 1:
-                # The ranks share this machine's cores instead of each spawning a thread per core.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
+                # The ranks share this machine's cores instead of each spawning a thread per core. Pipeline
+                # stages run one after another (one batch in flight), so only one stage's ranks compute at once.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.tensor_parallel_size))
         if parallel.world_size > 1:
             from pagellm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 
@@ -112,7 +119,8 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         model_config, cache_config = self.config.model_config, self.config.cache_config
-        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size)
+        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size,
+                                       self.num_layers)
         budget = self.determine_kv_cache_bytes()
         num_blocks = budget // per_block
         max_len = self.config.scheduler_config.max_model_len
@@ -134,7 +142,8 @@ class Worker:
         """Blocks of the host tier: swap_space_bytes of host memory, capped (with a warning) at half of what the
         host has free, since the tier is allocated up front (pinned on CUDA)."""
         model_config, cache_config = self.config.model_config, self.config.cache_config
-        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size)
+        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size,
+                                       self.num_layers)
         swap_bytes, free = cache_config.swap_space_bytes, available_host_memory()
         limit = int(_MAX_HOST_TIER_SHARE * free)
         if swap_bytes > limit:
@@ -146,7 +155,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device,
-                                        num_host_blocks, self.tensor_parallel_size)
+                                        num_host_blocks, self.tensor_parallel_size, self.num_layers)
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
