@@ -9,12 +9,17 @@ from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import SchedulerOutput
+from pagellm.exceptions import EngineDeadError
+from pagellm.logger import init_logger
 from pagellm.worker.model_runner import ModelRunnerOutput
+
+logger = init_logger(__name__)
 
 
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._failure: str | None = None  # why the workers are gone, once they are
         self._failure_callbacks: list[Callable[[str], None]] = []
 
     @staticmethod
@@ -33,12 +38,14 @@ class Executor(ABC):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call `method` on every worker; returns one result per rank, in rank order."""
 
-    @abstractmethod
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; returns the output rank's output."""
+        return self.collective_rpc("execute_model", output)[self.config.parallel_config.output_rank]
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker is gone."""
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
 
     def shutdown(self) -> None:
         """Stop the workers; the executor is unusable afterwards."""
@@ -47,9 +54,28 @@ class Executor(ABC):
         """Have `callback(reason)` called (from any thread) when a worker dies, even while the engine is idle."""
         self._failure_callbacks.append(callback)
 
-    def _report_failure(self, reason: str) -> None:
-        for callback in self._failure_callbacks:
-            callback(reason)
+    def _start_workers(self) -> None:
+        """Set up every rank's device and model; if that fails, stop what was started."""
+        try:
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _fail(self, reason: str) -> str:
+        """Mark the executor dead (once), stop the workers still running (they may wait forever in a collective
+        with the dead one) and tell the callbacks; returns the first reason."""
+        if self._failure is None:
+            self._failure = reason
+            logger.error("%s Stopping the other workers.", reason)
+            self._kill_workers()
+            for callback in self._failure_callbacks:
+                callback(reason)
+        return self._failure
+
+    def _kill_workers(self) -> None:
+        """Stop every worker at once (executors with workers outside this process)."""
 
     def determine_num_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_blocks"))

@@ -27,11 +27,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
-from pagellm.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -49,7 +47,6 @@ class _WorkerProcess:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._failure: str | None = None
         self._closing = False
         context = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -65,23 +62,11 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _kill, [worker.process for worker in self.workers])
         threading.Thread(target=_monitor, args=(weakref.ref(self), self.workers), name="pagellm-worker-monitor",
                          daemon=True).start()
-        try:
-            self.collective_rpc("init_device")
-            self.collective_rpc("load_model")
-        except BaseException:
-            self.shutdown()
-            raise
+        self._start_workers()
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self._send_all(method, args)
         return [self._receive(worker) for worker in self.workers]
-
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", output)[self.config.parallel_config.output_rank]
-
-    def check_health(self) -> None:
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
 
     def shutdown(self) -> None:
         if self._closing:
@@ -124,16 +109,10 @@ class MultiprocExecutor(Executor):
         return payload
 
     # ---- failure ----------------------------------------------------------------------------------------------
-    def _fail(self, reason: str) -> str:
-        """Mark the executor dead (once), stop the other ranks and tell the callbacks; returns the reason."""
-        if self._failure is None:
-            self._failure = reason
-            logger.error("%s Stopping the other workers.", reason)
-            for worker in self.workers:
-                if worker.process.is_alive():
-                    worker.process.kill()
-            self._report_failure(reason)
-        return self._failure
+    def _kill_workers(self) -> None:
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.kill()
 
 
 def _monitor(executor_ref: weakref.ref, workers: list[_WorkerProcess]) -> None:

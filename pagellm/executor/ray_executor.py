@@ -16,11 +16,9 @@ import weakref
 from typing import Any
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
-from pagellm.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -85,18 +83,16 @@ class RayExecutor(Executor):
             actor_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._placement_group, placement_group_bundle_index=rank)).remote(config, rank)
             for rank in range(world_size)]
-        self._failure: str | None = None
         self._closing = False
         try:
             host, port = ray.get(self.actors[0].node_address.remote())
             ray.get([actor.start.remote(f"tcp://{host}:{port}") for actor in self.actors])
             threading.Thread(target=_monitor, args=(weakref.ref(self), self.actors), daemon=True,
                              name="pagellm-ray-monitor").start()
-            self.collective_rpc("init_device")
-            self.collective_rpc("load_model")
         except BaseException:
             self.shutdown()
             raise
+        self._start_workers()
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self.check_health()
@@ -109,13 +105,6 @@ class RayExecutor(Executor):
                 raise EngineDeadError(self._fail(f"A Ray worker failed: {exc}")) from exc
             raise RuntimeError(str(exc)) from exc
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", output)[self.config.parallel_config.output_rank]
-
-    def check_health(self) -> None:
-        if self._failure is not None:
-            raise EngineDeadError(self._failure)
-
     def shutdown(self) -> None:
         if self._closing:
             return
@@ -124,14 +113,9 @@ class RayExecutor(Executor):
             self._ray.kill(actor)
         self._ray.util.remove_placement_group(self._placement_group)
 
-    def _fail(self, reason: str) -> str:
-        if self._failure is None:
-            self._failure = reason
-            logger.error("%s Stopping the other Ray workers.", reason)
-            for actor in self.actors:
-                self._ray.kill(actor)
-            self._report_failure(reason)
-        return self._failure
+    def _kill_workers(self) -> None:
+        for actor in self.actors:
+            self._ray.kill(actor)
 
 
 def _cluster_running() -> bool:

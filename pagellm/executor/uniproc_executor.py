@@ -14,8 +14,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.worker = Worker(config)
-        self.collective_rpc("init_device")
-        self.collective_rpc("load_model")
+        self._start_workers()
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
