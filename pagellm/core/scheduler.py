@@ -297,16 +297,17 @@ class Scheduler:
         needs_sample = request.num_computed_tokens + num_new == request.num_tokens
         scheduled = ScheduledRequest(
             request.request_id, num_new, request.num_computed_tokens, needs_sample=needs_sample,
-            # n > 1: the first sample is drawn n times from the same logits, then the request forks.
-            num_samples=self._num_sequences(request) if needs_sample else 1)
+            # n > 1: the first sample is drawn n times from the same logits, then the request forks (beams take
+            # their candidates from one sample's logprobs).
+            num_samples=self._num_sequences(request) if needs_sample and request.beam_group is None else 1)
         self.worker_view.fill(scheduled, request, output)
         return scheduled
 
     def _preempt(self, request: Request, to_front: bool = True) -> None:
-        self.worker_view.forget(request.request_id)
         """Swap the request's K/V out to the host tier (preemption_mode="swap", when the host tier has room and
         the request is not a beam) or drop them to be recomputed, keep the tokens, and go back in line (to its
-        front under fcfs)."""
+        front under fcfs). The workers drop it; it is sent to them in full when it resumes."""
+        self.worker_view.forget(request.request_id)
         manager = self.kv_cache_manager
         if (self.config.preemption_mode == "swap" and request.beam_group is None
                 and manager.can_swap_out(request)):
