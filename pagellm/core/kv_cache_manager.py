@@ -277,14 +277,16 @@ class KVCacheManager:
 
     def token_efficiency(self, num_computed: dict[str, int]) -> float:
         """Tokens stored / capacity of the blocks requests hold, each physical block counted once. `num_computed`:
-        request id -> its computed tokens."""
-        fill: dict[int, int] = {}
+        request id -> its computed tokens. Only a table's last block can be partly filled (the ones before it are
+        full), so this looks at one block per table, not at every block: it runs after every step."""
+        waste: dict[int, int] = {}  # last block id -> its empty slots (a block shared by forks counted once)
         for request_id, blocks in self.req_to_blocks.items():
-            tokens = num_computed.get(request_id, 0)
-            for index, block in enumerate(blocks):
-                stored = min(max(tokens - index * self.block_size, 0), self.block_size)
-                fill[block.block_id] = max(fill.get(block.block_id, 0), stored)
-        return sum(fill.values()) / (len(fill) * self.block_size) if fill else 1.0
+            if blocks:
+                empty = max(len(blocks) * self.block_size - num_computed.get(request_id, 0), 0)
+                last = blocks[-1].block_id
+                waste[last] = min(waste.get(last, empty), empty)
+        capacity = self.block_pool.num_used_blocks * self.block_size
+        return 1.0 - sum(waste.values()) / capacity if capacity else 1.0
 
     def check_consistency(self, live_request_ids: set[str]) -> None:
         """Raise RuntimeError unless only live requests hold blocks and every block's ref count equals the number of

@@ -118,9 +118,8 @@ class Worker:
         self.model_runner.kv_caches = []
 
     def determine_num_blocks(self) -> int:
-        model_config, cache_config = self.config.model_config, self.config.cache_config
-        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size,
-                                       self.num_layers)
+        cache_config = self.config.cache_config
+        per_block = self._kv_bytes_per_block()
         budget = self.determine_kv_cache_bytes()
         num_blocks = budget // per_block
         max_len = self.config.scheduler_config.max_model_len
@@ -141,10 +140,8 @@ class Worker:
     def determine_num_host_blocks(self) -> int:
         """Blocks of the host tier: swap_space_bytes of host memory, capped (with a warning) at half of what the
         host has free, since the tier is allocated up front (pinned on CUDA)."""
-        model_config, cache_config = self.config.model_config, self.config.cache_config
-        per_block = kv_bytes_per_block(model_config, cache_config.block_size, self.tensor_parallel_size,
-                                       self.num_layers)
-        swap_bytes, free = cache_config.swap_space_bytes, available_host_memory()
+        per_block = self._kv_bytes_per_block()
+        swap_bytes, free = self.config.cache_config.swap_space_bytes, available_host_memory()
         limit = int(_MAX_HOST_TIER_SHARE * free)
         if swap_bytes > limit:
             logger.warning("The swap space of %.2f GiB is more than %.0f%% of the free host memory (%.2f GiB); the "
@@ -152,6 +149,11 @@ class Worker:
                            100 * _MAX_HOST_TIER_SHARE, free / GiB, limit / GiB)
             swap_bytes = limit
         return swap_bytes // per_block
+
+    def _kv_bytes_per_block(self) -> int:
+        """One block of this rank's KV cache: its KV heads, its pipeline stage's layers."""
+        return kv_bytes_per_block(self.config.model_config, self.config.cache_config.block_size,
+                                  self.tensor_parallel_size, self.num_layers)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device,

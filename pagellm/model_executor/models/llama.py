@@ -125,11 +125,8 @@ class LlamaForCausalLM(nn.Module):
         has_lm_head = is_last and not self.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if has_lm_head else None
         self._fused: FusedDecoder | bool | None = None  # None: not built yet; False: does not apply
-
-    @property
-    def own_layers(self) -> list[LlamaDecoderLayer]:
-        """This pipeline stage's decoder layers, in order (all of them with one stage)."""
-        return list(self.layers[self.start_layer:self.end_layer])
+        # This pipeline stage's decoder layers, in order (all of them with one stage): a plain list, built once.
+        self.own_layers: list[LlamaDecoderLayer] = list(self.layers)[self.start_layer:self.end_layer]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor | None:
