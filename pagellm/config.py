@@ -143,9 +143,13 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # None: "uni" (this process) for one rank, "mp" (one process per rank on this machine) for more.
     distributed_executor_backend: str | None = None
+    # Engine replicas behind one server, each with its own scheduler, KV cache and tp x pp ranks; this
+    # replica's index among them.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}; fix "
                                  f"--{name.replace('_', '-')}.")

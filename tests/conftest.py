@@ -160,11 +160,17 @@ class RemoteServer:
         self.stop()
         raise TimeoutError(f"the server did not start in {SERVER_START_TIMEOUT_S} s:\n{self.log()}")
 
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        """/metrics as {(sample name, sorted labels other than model_name): value}."""
+    def metrics(self, per_engine: bool = False) -> dict[tuple[str, tuple], float]:
+        """/metrics as {(sample name, sorted labels other than model_name): value}; summed over the engines
+        (data-parallel replicas) unless `per_engine`, which keeps their `engine` label."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))):
-                sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+        dropped = {"model_name"} if per_engine else {"model_name", "engine"}
+        metrics: dict[tuple[str, tuple], float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k not in dropped)))
+                metrics[key] = metrics.get(key, 0.0) + sample.value
+        return metrics
 
     def wait_until_idle(self, timeout_s: float = 15.0) -> dict[tuple[str, tuple], float]:
         """Poll /metrics until no request runs or waits and no KV block is held; returns the last reading."""

@@ -57,7 +57,7 @@ class ServerState:
 def parse_server_state(metrics_text: str) -> ServerState:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:  # one sample per model_name label; all share one engine
+        for sample in family.samples:  # summed over the engine (data-parallel replica) label
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
     missing = [name for name in SERVER_GAUGES.values() if name not in values]
     if missing:

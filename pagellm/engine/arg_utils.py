@@ -53,6 +53,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
+    data_parallel_size: int = 1  # engine replicas (pagellm serve)
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -67,7 +68,7 @@ class EngineArgs:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}; fix --max-logprobs.")
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                         self.distributed_executor_backend)
+                                         self.distributed_executor_backend, self.data_parallel_size)
         check_parallel_sizes(hf_config, parallel_config)
         model_config = ModelConfig(
             model=str(model_dir),
@@ -172,6 +173,9 @@ class EngineArgs:
                             choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                             help="uni: this process (one rank); mp: one process per rank on this machine; ray: "
                                  "Ray actors (multi-node). Default: uni for one rank, mp for more")
+        parser.add_argument("--data-parallel-size", "-dp", type=int, default=EngineArgs.data_parallel_size,
+                            help="pagellm serve: engine replicas, each in its own process with its own KV cache "
+                                 "and tp x pp ranks; requests are routed by load and prompt prefix")
         parser.add_argument("--short-first-max-wait", type=float, default=EngineArgs.short_first_max_wait,
                             help="short-first: seconds after which a waiting request goes ahead of shorter ones")
         return parser

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagellm.beam_search import BeamSearchOutput
+from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import LogprobsEntry
 
 
@@ -34,3 +35,14 @@ class EngineCoreOutputs:
     # Requests that failed inside the engine this step: user request id -> why (each sequence finished, blocks
     # freed; the rest of the batch went on).
     failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class CoreUpdate:
+    """What an engine core publishes after each pass of its loop (see EngineCoreLoop); plain data, so it can
+    cross a process boundary."""
+
+    outputs: EngineCoreOutputs
+    refused: dict[str, BaseException]  # requests not queued (e.g. a full waiting queue): request id -> why
+    left: list[str]  # requests no longer in the core (finished, failed or aborted there)
+    stats: SchedulerStats

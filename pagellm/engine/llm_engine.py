@@ -18,6 +18,9 @@ from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenize
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs engine replicas behind `pagellm serve`; the offline LLM "
+                             "drives one engine: use tensor_parallel_size, or one LLM per process.")
         self.config = config
         model_config = config.model_config
         self.tokenizer = get_tokenizer(model_config.tokenizer)

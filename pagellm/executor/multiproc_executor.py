@@ -13,7 +13,6 @@ no orphan is left behind even if the engine is killed.
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import pickle
 import signal
@@ -30,6 +29,7 @@ from pagellm.config import EngineConfig
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
+from pagellm.process_utils import die_with_parent
 
 logger = init_logger(__name__)
 
@@ -144,19 +144,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this process when its parent dies, however the parent ends."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def _run_worker(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
     """A worker process: answer calls until told to shut down or the engine's end of the pipe closes."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it shuts the workers down
     from pagellm.worker.worker import Worker
 

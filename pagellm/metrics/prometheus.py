@@ -1,8 +1,9 @@
 """Prometheus metrics under vLLM's names (prefix `pagellm:`), in a registry of their own per server.
 
 Scheduler gauges (running, waiting, KV usage and blocks, token efficiency, the host tier) and cumulative counters
-(preemptions, prefix cache queries and hits, swapped blocks) are read from the engine's latest scheduler snapshot at
-scrape time; token counters and latency histograms are recorded from IterationStats.
+(preemptions, prefix cache queries and hits, swapped blocks) are read from the engines' latest scheduler snapshots
+at scrape time; token counters and latency histograms are recorded from IterationStats. Every series carries an
+`engine` label, as vLLM's do: the data-parallel replica ("0" without data parallelism).
 """
 from __future__ import annotations
 
@@ -64,40 +65,53 @@ _SCHEDULER_COUNTERS: tuple[_SchedulerMetric, ...] = (
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, model_name: str, scheduler_stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, model_name: str, replica_stats: Callable[[], list[SchedulerStats]]) -> None:
         self._model_name = model_name
-        self._scheduler_stats = scheduler_stats
+        self._replica_stats = replica_stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._scheduler_stats()
+        replicas = self._replica_stats()
         for family, metrics in ((GaugeMetricFamily, _SCHEDULER_GAUGES), (CounterMetricFamily, _SCHEDULER_COUNTERS)):
             for name, documentation, value in metrics:
-                metric = family(name, documentation, labels=["model_name"])
-                metric.add_metric([self._model_name], value(stats))
+                metric = family(name, documentation, labels=["model_name", "engine"])
+                for engine, stats in enumerate(replicas):
+                    metric.add_metric([self._model_name, str(engine)], value(stats))
                 yield metric
 
 
+class _PerEngine:
+    """One child of a labelled metric per engine, created up front so every series is exported from the start."""
+
+    def __init__(self, metric: Counter | Histogram, model_name: str, num_engines: int) -> None:
+        self._children = [metric.labels(model_name=model_name, engine=str(i)) for i in range(num_engines)]
+
+    def __getitem__(self, engine: int):
+        return self._children[engine]
+
+
 class PrometheusStatLogger(StatLoggerBase):
-    def __init__(self, model_name: str, scheduler_stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, model_name: str, replica_stats: Callable[[], list[SchedulerStats]]) -> None:
         self._model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(model_name, scheduler_stats))
+        self.registry.register(_SchedulerCollector(model_name, replica_stats))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open fds
-        labels = {"model_name": model_name}
+        num_engines = len(replica_stats())
+        labels = ["model_name", "engine"]
 
-        def counter(name: str, documentation: str) -> Counter:
-            return Counter(name, documentation, ["model_name"], registry=self.registry).labels(**labels)
+        def counter(name: str, documentation: str) -> _PerEngine:
+            return _PerEngine(Counter(name, documentation, labels, registry=self.registry), model_name, num_engines)
 
-        def histogram(name: str, documentation: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, documentation, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(**labels)
+        def histogram(name: str, documentation: str, buckets: list[float]) -> _PerEngine:
+            return _PerEngine(Histogram(name, documentation, labels, buckets=buckets, registry=self.registry),
+                              model_name, num_engines)
 
         self.prompt_tokens = counter("pagellm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("pagellm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = Counter("pagellm:request_success", "Count of successfully processed requests.",
-                                       ["model_name", "finished_reason"], registry=self.registry)
-        for reason in FINISH_REASONS:  # every reason is exported from the start, at 0
-            self.request_success.labels(model_name=model_name, finished_reason=reason)
+                                       [*labels, "finished_reason"], registry=self.registry)
+        for engine in range(num_engines):  # every reason is exported from the start, at 0
+            for reason in FINISH_REASONS:
+                self.request_success.labels(model_name=model_name, engine=str(engine), finished_reason=reason)
         self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds",
                                               "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds",
@@ -110,14 +124,16 @@ class PrometheusStatLogger(StatLoggerBase):
             _REQUEST_BUCKETS)
 
     def record(self, iteration: IterationStats) -> None:
-        self.prompt_tokens.inc(iteration.num_prompt_tokens)
-        self.generation_tokens.inc(iteration.num_generation_tokens)
+        engine = iteration.engine_index
+        self.prompt_tokens[engine].inc(iteration.num_prompt_tokens)
+        self.generation_tokens[engine].inc(iteration.num_generation_tokens)
         for ttft in iteration.time_to_first_tokens:
-            self.time_to_first_token.observe(ttft)
+            self.time_to_first_token[engine].observe(ttft)
         for itl in iteration.inter_token_latencies:
-            self.inter_token_latency.observe(itl)
+            self.inter_token_latency[engine].observe(itl)
         for finished in iteration.finished_requests:
-            self.request_success.labels(model_name=self._model_name, finished_reason=finished.finish_reason).inc()
-            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_success.labels(model_name=self._model_name, engine=str(engine),
+                                        finished_reason=finished.finish_reason).inc()
+            self.e2e_request_latency[engine].observe(finished.e2e_latency)
             if finished.queue_time is not None:
-                self.request_queue_time.observe(finished.queue_time)
+                self.request_queue_time[engine].observe(finished.queue_time)

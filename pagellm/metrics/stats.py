@@ -2,6 +2,7 @@
 outputs (IterationStats) that every stat logger records."""
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -33,6 +34,21 @@ class SchedulerStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+
+def aggregate_scheduler_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
+    """Data-parallel replicas' snapshots as one: counts summed, token efficiency weighted by the blocks held."""
+    if len(replicas) == 1:
+        return replicas[0]
+    total = SchedulerStats(0, 0, 0, 0, 0)
+    for stats in replicas:
+        for f in dataclasses.fields(SchedulerStats):
+            if f.name != "kv_cache_token_efficiency":
+                setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+    if total.num_used_blocks:
+        total.kv_cache_token_efficiency = sum(s.kv_cache_token_efficiency * s.num_used_blocks
+                                              for s in replicas) / total.num_used_blocks
+    return total
 
 
 STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update", "output_processing")
@@ -80,6 +96,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    engine_index: int = 0  # the engine core (data-parallel replica) these came from
 
 
 @dataclass

@@ -45,8 +45,9 @@ class Worker:
                                        parallel.pipeline_parallel_size)
         self.num_layers = end - start
         device = config.device_config.device
-        # One GPU per rank on this machine.
-        self.device = torch.device("cuda", rank % torch.cuda.device_count()) if device.type == "cuda" else device
+        # One GPU per rank on this machine; data-parallel replicas take the next world_size GPUs each.
+        gpu = parallel.data_parallel_rank * parallel.world_size + rank
+        self.device = torch.device("cuda", gpu % torch.cuda.device_count()) if device.type == "cuda" else device
         self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device)
         self.cache_engine: CacheEngine | None = None
 
@@ -56,10 +57,12 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             keep_large_allocations_on_heap()
-            if parallel.world_size > 1:
-                # The ranks share this machine's cores instead of each spawning a thread per core. Pipeline
-                # stages run one after another (one batch in flight), so only one stage's ranks compute at once.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.tensor_parallel_size))
+            if parallel.world_size > 1 or parallel.data_parallel_size > 1:
+                # The ranks (of every replica) share this machine's cores instead of each spawning a thread per
+                # core. Pipeline stages run one after another (one batch in flight), so only one stage's ranks
+                # compute at once.
+                concurrent_ranks = parallel.tensor_parallel_size * parallel.data_parallel_size
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // concurrent_ranks))
         if parallel.world_size > 1:
             from pagellm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 
@@ -79,7 +82,9 @@ class Worker:
         if cache_config.kv_cache_memory_bytes is not None:
             return cache_config.kv_cache_memory_bytes
         if self.device.type == "cpu":
-            return int(min(_CPU_KV_MAX_BYTES, _CPU_KV_SHARE * available_host_memory()))
+            # Replicas start at once and would each see the same free memory: each takes its part of the share.
+            replicas = self.config.parallel_config.data_parallel_size
+            return int(min(_CPU_KV_MAX_BYTES, _CPU_KV_SHARE * available_host_memory()) / replicas)
         return self._profile_cuda_budget()
 
     def _profile_cuda_budget(self) -> int:
@@ -142,7 +147,7 @@ class Worker:
         host has free, since the tier is allocated up front (pinned on CUDA)."""
         per_block = self._kv_bytes_per_block()
         swap_bytes, free = self.config.cache_config.swap_space_bytes, available_host_memory()
-        limit = int(_MAX_HOST_TIER_SHARE * free)
+        limit = int(_MAX_HOST_TIER_SHARE * free / self.config.parallel_config.data_parallel_size)
         if swap_bytes > limit:
             logger.warning("The swap space of %.2f GiB is more than %.0f%% of the free host memory (%.2f GiB); the "
                            "host tier gets %.2f GiB. Lower --swap-space to silence this.", swap_bytes / GiB,

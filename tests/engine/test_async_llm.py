@@ -43,7 +43,7 @@ def engine(tiny_model_factory) -> LLMEngine:
 @pytest.fixture
 def async_llm(engine):
     """A fresh AsyncLLM (engine thread) over the shared engine, shut down after the test."""
-    llm = AsyncLLM(engine, log_stats=False)
+    llm = AsyncLLM.from_engine(engine, log_stats=False)
     yield llm
     llm.shutdown()
 
@@ -72,7 +72,7 @@ def reference(engine: LLMEngine, params: SamplingParams) -> list[tuple[str, list
 
 def test_deltas_add_up_to_the_engine_result(engine):
     expected = reference(engine, GREEDY)
-    llm = AsyncLLM(engine, log_stats=False)
+    llm = AsyncLLM.from_engine(engine, log_stats=False)
     recorder = _Recorder()
     llm.add_stat_logger(recorder)
 
@@ -154,7 +154,7 @@ def test_abort_ends_the_stream(async_llm, engine):
 
 
 def test_engine_failure_fails_every_request(engine, monkeypatch):
-    llm = AsyncLLM(engine, log_stats=False)
+    llm = AsyncLLM.from_engine(engine, log_stats=False)
 
     def broken_step():
         raise RuntimeError("simulated device failure")
@@ -185,7 +185,7 @@ def test_engine_failure_fails_every_request(engine, monkeypatch):
 
 
 def test_shutdown_fails_requests_in_flight(engine):
-    llm = AsyncLLM(engine, log_stats=False)
+    llm = AsyncLLM.from_engine(engine, log_stats=False)
 
     async def run():
         stream = llm.generate("Tell me a long story", LONG, "in-flight")

@@ -205,7 +205,7 @@ def test_offline_generate_raises_and_the_llm_keeps_working(tiny_model_factory, m
 def test_async_streams_go_on_while_one_request_fails(engine, monkeypatch):
     expected, _ = run(engine, ["greedy", "seeded", "other"])
     fail_sampling_of(monkeypatch, engine, "bad")
-    llm = AsyncLLM(engine, log_stats=False)
+    llm = AsyncLLM.from_engine(engine, log_stats=False)
 
     async def collect(name: str) -> list[list[int]]:
         tokens: dict[int, list[int]] = {}

@@ -86,7 +86,7 @@ def test_an_idle_async_engine_stops_when_its_worker_dies(model_dir):
                       distributed_executor_backend="mp")
     async_llm = AsyncLLM.from_engine_args(args, log_stats=False)
     try:
-        (pid,) = [w.process.pid for w in async_llm.core.executor.workers]
+        (pid,) = [w.process.pid for w in async_llm.client.core.executor.workers]
         assert async_llm.is_running
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5.0

@@ -77,7 +77,7 @@ async def _log_stats_periodically(engine: AsyncLLM) -> None:
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The app owns the engine from here on: its shutdown stops the engine."""
-    metrics = PrometheusStatLogger(config.served_model_names[0], engine.get_scheduler_stats)
+    metrics = PrometheusStatLogger(config.served_model_names[0], engine.get_replica_scheduler_stats)
     engine.add_stat_logger(metrics)
     tokenizer = AsyncTokenizer(engine.config.model_config.tokenizer, load_chat_template(config.chat_template))
     serving_args = (engine, config.served_model_names, tokenizer)

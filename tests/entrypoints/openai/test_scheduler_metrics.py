@@ -43,7 +43,7 @@ def scrape(stat_logger: PrometheusStatLogger) -> dict[str, tuple[str, float]]:
 
 def test_scheduler_snapshot_is_exported_at_scrape_time():
     snapshot = [STATS]
-    stat_logger = PrometheusStatLogger("tiny", lambda: snapshot[0])
+    stat_logger = PrometheusStatLogger("tiny", lambda: [snapshot[0]])
     metrics = scrape(stat_logger)
     assert {name: metrics[name] for name in EXPECTED} == EXPECTED
     snapshot[0] = SchedulerStats(0, 0, 0, 120, 4, prefix_cache_queries=1000, prefix_cache_hits=400)
@@ -54,7 +54,7 @@ def test_scheduler_snapshot_is_exported_at_scrape_time():
 
 def test_prompt_tokens_are_not_counted_as_prefix_cache_queries():
     """Queries come from the scheduler (what it looked up), not from the prompt tokens outputs report."""
-    stat_logger = PrometheusStatLogger("tiny", lambda: STATS)
+    stat_logger = PrometheusStatLogger("tiny", lambda: [STATS])
     stat_logger.record(IterationStats(num_prompt_tokens=500))
     metrics = scrape(stat_logger)
     assert metrics["pagellm:prompt_tokens"] == ("counter", 500)

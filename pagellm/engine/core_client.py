@@ -1,0 +1,98 @@
+"""Engine-core clients: how AsyncLLM reaches the engine core(s) that run its requests.
+
+- `InprocClient`: one EngineCore stepped by a thread of this process (the default).
+- `DPClient` (dp_client.py): `--data-parallel-size` engine replicas, each an EngineCore in a child process
+  (core_proc.py), each request routed to one of them.
+
+Every client reports back through two callbacks given to `start`: `on_update(engine_index, CoreUpdate)` after each
+pass of a core's loop, and `on_dead(reason)` once, when a core can no longer run. Both may be called from any
+thread of the client's.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+from pagellm.core.request import Request
+from pagellm.engine.core import EngineCore
+from pagellm.engine.core_loop import EngineCoreLoop
+from pagellm.engine.core_output import CoreUpdate
+from pagellm.metrics.stats import SchedulerStats
+
+UpdateCallback = Callable[[int, CoreUpdate], None]
+DeadCallback = Callable[[str], None]
+
+
+class EngineCoreClient(ABC):
+    num_engines: int = 1
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """The device KV blocks of the smallest engine: what a single request may use at most."""
+
+    @abstractmethod
+    def initial_stats(self) -> list[SchedulerStats]:
+        """Each engine's scheduler snapshot before its first step."""
+
+    @abstractmethod
+    def start(self, on_update: UpdateCallback, on_dead: DeadCallback) -> None:
+        """Start the engines' loops; from here on they report through the callbacks."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> int:
+        """Queue a request (refusals come back in a CoreUpdate); returns the index of the engine it went to."""
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort these requests (user request ids) wherever they run; unknown ids are ignored."""
+
+    @abstractmethod
+    def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
+        """Finish sequences a stop string ended (sequence id -> stop string), all on one engine."""
+
+    @abstractmethod
+    def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
+        """How many of these (sequence slots, tokens) demands, in order, idle engines can hold at once."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every engine; requests in flight are aborted."""
+
+
+class InprocClient(EngineCoreClient):
+    def __init__(self, core: EngineCore, max_waiting_requests: int | None = None) -> None:
+        self.core = core  # touched only by the loop's thread once that runs
+        self.max_waiting_requests = max_waiting_requests
+        self._loop: EngineCoreLoop | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.core.num_blocks
+
+    def initial_stats(self) -> list[SchedulerStats]:
+        return [self.core.scheduler.stats()]
+
+    def start(self, on_update: UpdateCallback, on_dead: DeadCallback) -> None:
+        self._loop = EngineCoreLoop(self.core, lambda update: on_update(0, update), on_dead,
+                                    self.max_waiting_requests)
+        self._loop.start()
+
+    def add_request(self, request: Request) -> int:
+        self._loop.add_request(request)
+        return 0
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._loop.abort_requests(request_ids)
+
+    def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
+        self._loop.finish_stopped(stop_reasons)
+
+    def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
+        return self.core.scheduler.num_fitting(demands)  # reads only constants: safe from any thread
+
+    def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.shutdown()
+        else:
+            self.core.shutdown()
