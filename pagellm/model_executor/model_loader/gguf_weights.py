@@ -1,7 +1,8 @@
 """A GGUF file's tensors under Hugging Face names, matrices kept packed (`PackedTensor`) as the file stores them.
 
-The file is read with one sequential read, and each tensor is found through the index the converter wrote beside
-the checkpoint (`gguf_loader.gguf_tensor_index`): no metadata parsing at load. Rows of ggml blocks are
+The file is read with one sequential read (mapped, for a rank that keeps a slice: see file_reader.py), and each
+tensor is found through the index the converter wrote beside the checkpoint (`gguf_loader.gguf_tensor_index`): no
+metadata parsing at load. Rows of ggml blocks are
 independent, so llama.cpp's Q/K row permutation is undone on the packed bytes and fused projections can stack
 packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
 """
@@ -14,24 +15,17 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from pagellm.model_executor.layers.quantization import PackedTensor
+from pagellm.model_executor.model_loader.file_reader import read_file
 from pagellm.model_executor.model_loader.gguf_loader import (ROPE_FREQS, gguf_source, gguf_tensor_index,
                                                              hf_tensor_name, unpermute_rows)
 
 
-def _read_file(path: str | os.PathLike) -> torch.Tensor:
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buffer = torch.empty(size, dtype=torch.uint8)
-        if f.readinto(memoryview(buffer.numpy())) != size:
-            raise OSError(f"Short read from {path}.")
-    return buffer
-
-
-def iterate_gguf_weights(model_dir: str | os.PathLike,
-                         hf_config) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
-    """(Hugging Face name, tensor) for every weight of the GGUF file `model_dir` was converted from."""
+def iterate_gguf_weights(model_dir: str | os.PathLike, hf_config,
+                         mapped: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+    """(Hugging Face name, tensor) for every weight of the GGUF file `model_dir` was converted from (the file read
+    or mapped as `read_file` does)."""
     index = gguf_tensor_index(model_dir)
-    buffer = _read_file(gguf_source(model_dir))
+    buffer = read_file(gguf_source(model_dir), mapped)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     for entry in index:

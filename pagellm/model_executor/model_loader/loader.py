@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,8 +10,10 @@ import torch
 from torch import nn
 
 from pagellm.config import ModelConfig
+from pagellm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagellm.kernels import linear as linear_kernels
 from pagellm.logger import init_logger
+from pagellm.model_executor.model_loader.file_reader import read_file
 from pagellm.model_executor.model_loader.gguf_weights import iterate_gguf_weights
 from pagellm.model_executor.models.registry import get_model_class
 
@@ -42,17 +43,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield a safetensors file's tensors as views of one buffer filled by a single read.
-
-    Deliberately not mmap (safetensors.safe_open): page-faulting a file mapping in 4 KiB steps was 4x slower
-    than one sequential read on the machines we measured, and the weights are copied into the model anyway.
-    """
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buffer = torch.empty(size, dtype=torch.uint8)
-        if f.readinto(memoryview(buffer.numpy())) != size:
-            raise OSError(f"Short read from {path}.")
+def read_safetensors(path: str | Path, mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield a safetensors file's tensors as views of one buffer (see read_file)."""
+    buffer = read_file(path, mapped)
     (header_len,) = struct.unpack("<Q", bytes(buffer[:8].tolist()))
     header = json.loads(bytes(buffer[8:8 + header_len].numpy()))
     data_start = 8 + header_len
@@ -69,9 +62,9 @@ def read_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, raw.view(dtype).view(info["shape"])
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str | Path, mapped: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
-        yield from read_safetensors(path)
+        yield from read_safetensors(path, mapped)
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
@@ -89,9 +82,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         logger.warning("The C kernels for packed weights are unavailable (no C compiler, or "
                        "PAGELLM_DISABLE_C_KERNELS=1): weights are dequantized to float32 instead (--quantization %s).",
                        model_config.quantization)
+    mapped = get_tp_group().world_size > 1 or get_pp_group().world_size > 1  # this rank keeps a slice
     if model_config.quantization == "gguf":
-        weights = iterate_gguf_weights(model_config.model, model_config.hf_config)
+        weights = iterate_gguf_weights(model_config.model, model_config.hf_config, mapped)
     else:
-        weights = iterate_weights(model_config.model)
+        weights = iterate_weights(model_config.model, mapped)
     model.load_weights(weights, model_config.quantization)
     return model.eval().requires_grad_(False)

@@ -68,7 +68,8 @@ def test_a_shared_prefix_is_served_where_it_is_cached(dp_server, make_token_prom
     client = httpx.Client(base_url=dp_server.url, timeout=60)
     body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     # Keep replica 0 busy with a long request, so that the first prefixed request goes to replica 1.
-    with client.stream("POST", "/v1/completions", json={**body, "prompt": [5] * 8, "max_tokens": 200, "stream": True}) as busy:
+    busy_request = {**body, "prompt": [5] * 8, "max_tokens": 200, "stream": True}
+    with client.stream("POST", "/v1/completions", json=busy_request) as busy:
         next(busy.iter_lines())
         assert client.post("/v1/completions", json={**body, "prompt": prefix + [1, 2]}).status_code == 200
     dp_server.wait_until_idle()

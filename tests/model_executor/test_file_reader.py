@@ -1,0 +1,39 @@
+"""Weight files read whole or mapped: the same bytes, and a mapped file costs a rank only the pages it touches."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from pagellm.model_executor.model_loader.file_reader import read_file
+
+FILE_BYTES = 64 << 20
+SLICE_BYTES = 1 << 20
+
+
+def resident_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return sum(int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
+               for field in ("RssAnon", "RssFile"))
+
+
+def test_mapped_equals_read_and_touches_only_its_slice(tmp_path):
+    path = tmp_path / "weights.bin"
+    data = torch.randint(0, 256, (FILE_BYTES,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    start = FILE_BYTES // 2
+
+    before = resident_bytes()
+    mapped = read_file(path, mapped=True)
+    piece = mapped[start:start + SLICE_BYTES].clone()
+    mapped_growth = resident_bytes() - before
+    assert torch.equal(piece, data[start:start + SLICE_BYTES])
+    assert mapped_growth < 8 * SLICE_BYTES, mapped_growth  # the slice (mapped, then copied), not the file
+
+    read = read_file(path)
+    assert resident_bytes() - before >= FILE_BYTES  # a whole read holds the whole file
+    assert torch.equal(read, data) and torch.equal(mapped, data)
+    # Copy-on-write: writing to the mapping never changes the file.
+    mapped[:16] = 0
+    assert path.read_bytes()[:16] == data[:16].numpy().tobytes()
