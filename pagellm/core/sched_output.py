@@ -59,4 +59,5 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing for the workers to do: no sequence to compute and no block to move."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)

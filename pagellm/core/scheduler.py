@@ -19,6 +19,7 @@ requests of the step go on.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -46,6 +47,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self._finished_req_ids: list[str] = []
+        # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight):
+        # not scheduled again, nor preempted, until their results are applied.
+        self.in_flight: set[str] = set()
         self.num_preemptions_total = 0
         self.groups: dict[str, set[str]] = {}  # group id -> ids of its live sequences
         self._finished_beam_groups: list[BeamGroup] = []
@@ -88,6 +92,7 @@ class Scheduler:
     def recover_from_failed_step(self, output: SchedulerOutput, error: str) -> None:
         """A step failed as a whole, perhaps before its block copies: fail the requests it ran, recompute the ones
         it swapped out instead of trusting their host copies, and forget cached blocks nobody holds."""
+        self.in_flight.difference_update(scheduled.request_id for scheduled in output.scheduled)
         self.fail_requests({r.request_id: error for r in output.scheduled})
         manager = self.kv_cache_manager
         for request_id in output.preempted_req_ids:
@@ -123,6 +128,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Sequences waiting or running (in flight or not)."""
+        return len(self.waiting) + len(self.running)
 
     def check_consistency(self) -> None:
         """Raise RuntimeError unless the queues hold exactly the live requests and the KV block accounting is
@@ -172,7 +182,9 @@ class Scheduler:
             num_swapped_in_blocks_total=manager.num_swapped_in_blocks)
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_scheduled: int | None = None) -> SchedulerOutput:
+        """The next batch: at most `max_scheduled` requests (a pipeline splits its requests into a batch per stage,
+        so that the stages overlap), none of them in flight."""
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         token_budget = self.config.max_num_batched_tokens
@@ -181,15 +193,16 @@ class Scheduler:
         preempted_for_priority = len(output.preempted_req_ids)
 
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        limit = max_scheduled or sys.maxsize
+        while index < len(self.running) and token_budget > 0 and len(output.scheduled) < limit:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if num_new == 0:  # a beam waiting for its siblings' candidates
+            if num_new == 0 or request.request_id in self.in_flight:  # a beam waiting for its siblings' candidates
                 index += 1
                 continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
-                # Only requests not yet scheduled this step may go.
-                victim = self.policy.pick_victim(self.running[index:])
+                # Only requests not yet scheduled this step (nor in flight) may go.
+                victim = self.policy.pick_victim(self._preemptible(self.running[index:]))
                 self.running.remove(victim)
                 self._preempt(victim)
                 output.preempted_req_ids.append(victim.request_id)
@@ -203,14 +216,23 @@ class Scheduler:
 
         # Admitting new work while running requests are short of blocks would only thrash the cache.
         if len(output.preempted_req_ids) == preempted_for_priority:
-            self._admit_waiting(output, token_budget)
-        if not output.scheduled and self.waiting and self.running:
+            self._admit_waiting(output, token_budget, limit)
+        if not output.scheduled and self.waiting and self.running and not self.in_flight:
             self._make_room_for_waiting(output)
-            self._admit_waiting(output, token_budget)
+            self._admit_waiting(output, token_budget, limit)
         transfers = self.kv_cache_manager.take_transfers()
         output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
         output.blocks_to_copy = transfers.copies
+        if output.is_empty:
+            # Nothing for the workers to do (everything is in flight): the sequences they drop go with the next
+            # batch instead.
+            self._finished_req_ids = output.finished_req_ids + output.preempted_req_ids + self._finished_req_ids
+            output.finished_req_ids, output.preempted_req_ids = [], []
+        self.in_flight.update(scheduled.request_id for scheduled in output.scheduled)
         return output
+
+    def _preemptible(self, candidates: list[Request]) -> list[Request]:
+        return [r for r in candidates if r.request_id not in self.in_flight] if self.in_flight else candidates
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
         """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its
@@ -221,19 +243,19 @@ class Scheduler:
         manager = self.kv_cache_manager
         first_chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
         need = manager.num_blocks_for_tokens(head.num_computed_tokens + first_chunk)
-        while self.running:
+        while candidates := self._preemptible(self.running):
             fits = (self._num_slots_in_use() + self._num_sequences(head) <= self.config.max_num_seqs
                     and manager.block_pool.num_free_blocks >= need)
-            victim = self.policy.pick_victim(self.running)
+            victim = self.policy.pick_victim(candidates)
             if fits or not self.policy.outranks(head, victim):
                 return
             self.running.remove(victim)
             self._preempt(victim, to_front=False)
             output.preempted_req_ids.append(victim.request_id)
 
-    def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+    def _admit_waiting(self, output: SchedulerOutput, token_budget: int, limit: int) -> None:
         slots_in_use = self._num_slots_in_use()
-        while self.waiting and token_budget > 0:
+        while self.waiting and token_budget > 0 and len(output.scheduled) < limit:
             request = self.waiting[0]
             if request.request_id in output.preempted_req_ids:
                 break  # preempted this step to make room: it waits for the next one
@@ -338,6 +360,7 @@ class Scheduler:
         fail with their groups (`fail_requests`) and are left out of the returned lists.
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
         self.kv_cache_manager.finish_step()  # the step's block copies are done
+        self.in_flight.difference_update(scheduled.request_id for scheduled in output.scheduled)
         updated: list[Request] = []
         ready_groups: dict[str, BeamGroup] = {}
         # Keyed by group: a sibling that finished earlier in this update must not hide its group's failure.

@@ -7,6 +7,7 @@ up, raise out of `step()` (the engine is then dead)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
@@ -38,6 +39,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
+        self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
 
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
         self.scheduler.add_request(request, beam_group)
@@ -53,26 +55,39 @@ class EngineCore:
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> EngineCoreOutputs:
-        """One scheduling step; returns what is new for every sequence that got a token, and finished beam
-        searches."""
+        """One pass: schedule a batch and submit it to the executor if it may take one more; then, unless more
+        can be submitted first (a pipeline with a stage free), collect the oldest batch and apply its results.
+        Returns what is new for every sequence that got a token, and finished beam searches (nothing when a pass
+        only submitted)."""
         start = time.perf_counter()
-        output = self.scheduler.schedule()
-        scheduled = time.perf_counter()
-        if output.is_empty and self.scheduler.has_unfinished_requests():
-            # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
-            raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
+        stages = self.executor.max_concurrent_batches
+        if len(self._in_flight) < stages:
+            # A batch per stage: split the requests so that each stage has one to work on.
+            output = self.scheduler.schedule(-(-self.scheduler.num_unfinished // stages) if stages > 1 else None)
+            if not output.is_empty:
+                self.executor.submit_model(output)
+                self._in_flight.append(output)
+            self.step_timings.add({"schedule": time.perf_counter() - start})
+            if not output.is_empty and len(self._in_flight) < stages:
+                return EngineCoreOutputs()
+        if not self._in_flight:
+            if self.scheduler.has_unfinished_requests():
+                # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
+                raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
+            return EngineCoreOutputs()
+        output = self._in_flight.popleft()
         try:
-            result = self.executor.execute_model(output)
+            result = self.executor.collect_model_output()
         except EngineDeadError:
             raise  # a worker is gone: nothing to recover
         except Exception as exc:
             self._recover_from_failed_step(output, exc)
             return EngineCoreOutputs(failed=self.scheduler.take_failed_groups())
         self._consecutive_failed_steps = 0
-        executed = time.perf_counter()
+        collected = time.perf_counter()
         updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
                                                        result.prompt_logprobs, result.failed)
         outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],
@@ -82,8 +97,7 @@ class EngineCore:
         for group in self.scheduler.take_finished_beam_groups():
             outputs.finished_beam_searches[group.request_id] = group.result()
         self.step_timings.num_steps += 1
-        self.step_timings.add({"schedule": scheduled - start, "update": time.perf_counter() - executed,
-                               **result.phase_seconds})
+        self.step_timings.add({"update": time.perf_counter() - collected, **result.phase_seconds})
         return outputs
 
     def _recover_from_failed_step(self, output: SchedulerOutput, exc: Exception) -> None:

@@ -4,6 +4,7 @@ result (`ParallelConfig.output_rank`: the last pipeline stage's first tensor-par
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ class Executor(ABC):
         self.config = config
         self._failure: str | None = None  # why the workers are gone, once they are
         self._failure_callbacks: list[Callable[[str], None]] = []
+        self._submitted: deque[ModelRunnerOutput | Exception] = deque()  # results of submitted steps, oldest first
 
     @staticmethod
     def create(config: EngineConfig) -> Executor:
@@ -41,6 +43,29 @@ class Executor(ABC):
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; returns the output rank's output."""
         return self.collective_rpc("execute_model", output)[self.config.parallel_config.output_rank]
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many batches may be submitted before the oldest is collected: 1, unless the executor can keep
+        pipeline stages busy with different batches."""
+        return 1
+
+    def submit_model(self, output: SchedulerOutput) -> None:
+        """Start a step; its result comes from `collect_model_output`, in submission order. Here the step runs at
+        once (an executor with max_concurrent_batches > 1 only sends it)."""
+        try:
+            self._submitted.append(self.execute_model(output))
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # raised when the step is collected, as an asynchronous executor would
+            self._submitted.append(exc)
+
+    def collect_model_output(self) -> ModelRunnerOutput:
+        """The result of the oldest submitted step (raises what the step raised)."""
+        result = self._submitted.popleft()
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker is gone."""

@@ -26,10 +26,12 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pagellm.config import EngineConfig
+from pagellm.core.sched_output import SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
 from pagellm.process_utils import die_with_parent
+from pagellm.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -67,6 +69,18 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self._send_all(method, args)
         return [self._receive(worker) for worker in self.workers]
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        # One batch per pipeline stage: each rank works through its pipe in order, so while the last stage runs
+        # batch N the first can run batch N + 1.
+        return self.config.parallel_config.pipeline_parallel_size
+
+    def submit_model(self, output: SchedulerOutput) -> None:
+        self._send_all("execute_model", (output,))
+
+    def collect_model_output(self) -> ModelRunnerOutput:
+        return [self._receive(worker) for worker in self.workers][self.config.parallel_config.output_rank]
 
     def shutdown(self) -> None:
         if self._closing:

@@ -1,6 +1,6 @@
 """Pipeline parallelism end to end: stages in worker processes (gloo), each holding a range of the decoder layers
 and passing the residual stream on, give the single-rank engine's greedy tokens and logprobs, under chunked
-prefill, preemption, n > 1 and beam search; with an uneven split and a tied LM head (Qwen3); combined with
+prefill, preemption, n > 1 and beam search, with a batch per stage in flight; with an uneven split and a tied LM head (Qwen3); combined with
 tensor parallelism (2 x 2 ranks); and on the default model."""
 from __future__ import annotations
 
@@ -48,24 +48,33 @@ def test_two_stages_equal_one_on_a_tiny_model(tiny_model_factory, make_token_pro
     prompts = make_token_prompts([7, 40, 70, 100], seed=21)
 
     def workload(llm: LLM, prompts) -> tuple:
+        engine_core = llm.llm_engine.engine_core
+        in_flight, submit = [], engine_core.executor.submit_model
+
+        def counting_submit(output):
+            submit(output)
+            in_flight.append(len(engine_core._in_flight) + 1)
+
+        engine_core.executor.submit_model = counting_submit
         greedy = greedy_with_logprobs(llm, prompts, max_tokens=16)
         sampled = llm.generate(prompts[:1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6),
                                use_tqdm=False)
         beams = llm.beam_search(prompts[1:2], BeamSearchParams(beam_width=2, max_tokens=5))
-        engine_core = llm.llm_engine.engine_core
         return (greedy, [[c.token_ids for c in o.outputs] for o in sampled], [s.tokens for s in beams[0].sequences],
-                engine_core.scheduler.num_preemptions_total, engine_core.num_blocks,
-                engine_core.executor.collective_rpc("weight_bytes"))
+                engine_core.num_blocks, engine_core.scheduler.num_preemptions_total,
+                engine_core.executor.collective_rpc("weight_bytes"), max(in_flight))
 
     results = {pp: generate_with(model_dir, prompts, workload, max_model_len=128, max_num_batched_tokens=32,
                                  pipeline_parallel_size=pp, kv_cache_memory_bytes=pool_bytes(model_dir, 16, 10) // pp)
                for pp in (1, 2)}
     assert_same_greedy(results[2][0], results[1][0])
-    assert results[2][1:5] == results[1][1:5]  # the same pool: half the layers in half the bytes
-    assert results[2][3] > 0  # preempted
+    assert results[2][1:4] == results[1][1:4]  # the same pool: half the layers in half the bytes
+    assert results[1][4] > 0 and results[2][4] > 0  # preempted (how often depends on how batches are split)
     # Each stage holds only its share of the weights (untied: embedding on the first, LM head on the last).
     stage_bytes, total_bytes = results[2][5], results[1][5][0]
     assert sum(stage_bytes) == total_bytes and max(stage_bytes) < total_bytes
+    # Two batches were in flight at once (one per stage) with two stages, one at a time with one.
+    assert (results[1][6], results[2][6]) == (1, 2)
 
 
 def test_uneven_stages_of_two_tensor_parallel_ranks_with_a_tied_lm_head(tiny_model_factory, make_token_prompts):
