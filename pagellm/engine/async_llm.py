@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.state_snapshot import engine_state
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from pagellm.engine.input_processor import InputProcessor, PromptType
@@ -61,6 +62,22 @@ class _AbortRequest:
 @dataclass
 class _FinishStopped:
     stop_reasons: dict[str, str]  # sequence id -> the stop string that ended it
+
+
+@dataclass
+class _StateRequest:
+    """Asks the engine thread for a snapshot of its queues and KV pools (core/state_snapshot.py)."""
+
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _settle(future: asyncio.Future, result: dict | BaseException) -> None:
+    if not future.done():  # the asking coroutine may have been cancelled meanwhile
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 @dataclass
@@ -174,6 +191,18 @@ class AsyncLLM:
     def get_scheduler_stats(self) -> SchedulerStats:
         return self._scheduler_stats
 
+    async def get_engine_state(self) -> dict:
+        """A JSON-able snapshot of the queues and KV block pools (see core/state_snapshot.py), taken on the engine
+        thread between two steps: the scheduler and the block pools are not thread-safe."""
+        if self._stopped_reason is not None:
+            raise EngineDeadError(self._stopped_reason)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_StateRequest(future, loop))
+        if self._stopped_reason is not None:  # checked after the put: a stopping thread drains the inbox later
+            raise EngineDeadError(self._stopped_reason)
+        return await future
+
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
         self.stat_loggers.append(stat_logger)
 
@@ -245,8 +274,8 @@ class AsyncLLM:
         self._stop(reason)
 
     def _process_inbox(self, block: bool) -> bool:
-        """Apply the queued adds, aborts and stop-string finishes, waiting for one if `block`. False once
-        shutdown is asked for."""
+        """Apply the queued adds, aborts and stop-string finishes and answer state snapshots, waiting for one if
+        `block`. False once shutdown is asked for."""
         try:
             item = self._inbox.get(block=block)
         except queue.Empty:
@@ -256,6 +285,8 @@ class AsyncLLM:
                 self._add(item)
             elif isinstance(item, _ExecutorFailed):
                 raise EngineDeadError(item.reason)
+            elif isinstance(item, _StateRequest):
+                self._answer_state(item)
             elif isinstance(item, _FinishStopped):
                 self.core.finish_requests(list(item.stop_reasons), RequestStatus.FINISHED_STOPPED,
                                           stop_reasons=dict(item.stop_reasons))
@@ -267,6 +298,14 @@ class AsyncLLM:
             except queue.Empty:
                 return True
         return False
+
+    def _answer_state(self, item: _StateRequest) -> None:
+        try:
+            state: dict | BaseException = engine_state(self.core.scheduler)
+        except Exception as exc:  # a dashboard must never stop the engine
+            logger.exception("Could not take a snapshot of the engine state.")
+            state = exc
+        self._call_soon(item.loop, _settle, item.future, state)
 
     def _add(self, item: _AddRequest) -> None:
         request_id = item.request.request_id
@@ -324,5 +363,7 @@ class AsyncLLM:
                 break
             if isinstance(item, _AddRequest):
                 loops.add(item.loop)
+            elif isinstance(item, _StateRequest):
+                self._call_soon(item.loop, _settle, item.future, EngineDeadError(reason))
         for loop in loops:
             self._call_soon(loop, self._fail, None, EngineDeadError(reason))
