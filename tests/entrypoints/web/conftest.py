@@ -15,7 +15,6 @@ from playwright.sync_api import Browser, BrowserContext, sync_playwright
 
 API_KEY = "web-test-key"
 CHROMIUM = os.environ.get("PAGELLM_TEST_CHROMIUM", "/usr/bin/chromium")
-DOCS_DIR = Path(__file__).resolve().parents[3] / "docs"  # the tests write the README's screenshots here
 VIEWPORT = {"width": 1280, "height": 800}
 
 
@@ -31,6 +30,12 @@ def web_server(smollm2_dir, start_server):
 def api(web_server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=web_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def docs_dir() -> Path:
+    """Where the tests write the README's screenshots."""
+    return Path(__file__).resolve().parents[3] / "docs"
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +64,8 @@ def context(browser) -> Iterator[BrowserContext]:
 @pytest.fixture
 def keyed_context(context) -> BrowserContext:
     """A profile that already holds the API key (as the chat leaves it after asking once)."""
-    context.add_init_script(f"localStorage.setItem('pagellm.apiKey', {API_KEY!r})")
+    # Not on the first about:blank document, whose localStorage is off limits.
+    context.add_init_script(f"if (location.protocol === 'http:') localStorage.setItem('pagellm.apiKey', {API_KEY!r})")
     return context
 
 
