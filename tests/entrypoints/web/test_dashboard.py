@@ -40,7 +40,7 @@ def test_dashboard_follows_a_load(keyed_context, web_server, run_load, docs_dir)
     poller = threading.Thread(target=poll_metrics, args=(web_server, samples, stop))
     poller.start()
     try:
-        load = run_load(num_requests=6, max_tokens=48)
+        load = run_load(num_requests=6, max_tokens=32)
         expect(page.locator("#running-table tr")).to_have_count(8, timeout=60_000)  # header + 6 requests, n = 2
         expect(page.locator("#device-grid .cell.shared").first).to_be_visible()
         assert page.locator("#device-grid .cell.used").count() > 0

@@ -129,7 +129,10 @@ def test_markup_in_answers_and_messages_renders_as_text(keyed_context, web_serve
         expect(last_answer(page).locator(".content")).to_contain_text(x)
     page.unroute("**/v1/chat/completions")
 
-    # Editing the user's message to markup, then regenerating against the real server.
+    # Editing the user's message to markup, then regenerating against the real server (a short greedy answer).
+    page.click("#settings-toggle")
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "16")
     page.locator(".message.user .edit").first.click()
     page.fill(".message.user .editor", XSS[1])
     page.locator(".message.user .save").click()
