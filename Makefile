@@ -1,10 +1,13 @@
 # Two entry points for a fresh machine (only Python, pip and gcc needed):
 #   make run   - create .venv, install, generate with the default model (SmolLM2-135M-Instruct)
-#   make test  - create .venv, install with test extras, run the whole test suite
+#   make test  - create .venv, install with test extras (and Debian's chromium for the browser tests), run the
+#                whole test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences what a paged KV cache is.
+# The browser tests drive the system's Chromium: Playwright's own browser download needs internet access.
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: run test install bench
 
@@ -22,7 +25,11 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/pagellm generate --chat --max-tokens 128 "$(PROMPT)"
 
-test: install
+$(CHROMIUM):
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq
+	$$( [ "$$(id -u)" = 0 ] || echo sudo ) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
+test: install $(CHROMIUM)
 	$(PY) -m pytest -q
 
 bench: install

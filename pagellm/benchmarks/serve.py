@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pagellm.benchmarks.engine_state_watch import EngineStateWatch
+
 METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 
@@ -98,6 +100,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     parser.add_argument("--percentile-metrics", default=",".join(METRICS), help="comma-separated subset of the default")
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
+    parser.add_argument("--watch-engine-state", type=float, default=None, metavar="SECONDS",
+                        help="keep pagellm's /v1/engine/state/stream open during the run, an event every SECONDS "
+                             "(what an open /dashboard costs)")
     parser.add_argument("--save-result", default=None, metavar="FILE", help="write the metrics as JSON")
     parser.add_argument("--disable-tqdm", action="store_true")
 
@@ -310,7 +315,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[float]]:
               (args.request_rate > 0 and args.burstiness > 0, "--request-rate and --burstiness must be > 0"),
               (args.max_concurrency is None or args.max_concurrency >= 1, "--max-concurrency must be >= 1"),
               (all(m in METRICS for m in selected), f"--percentile-metrics: choose from {','.join(METRICS)}"),
-              (all(0 <= p <= 100 for p in percentiles), "--metric-percentiles must be in [0, 100]")]
+              (all(0 <= p <= 100 for p in percentiles), "--metric-percentiles must be in [0, 100]"),
+              (args.watch_engine_state is None or args.watch_engine_state > 0, "--watch-engine-state must be > 0")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -384,9 +390,15 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{len(prompts)} requests to {url} (model {model}), request rate {args.request_rate}, burstiness "
           f"{args.burstiness}, max concurrency {args.max_concurrency}")
 
-    results, duration = asyncio.run(benchmark(url, headers, payloads, [p.prompt_len for p in prompts], chat,
-                                              offsets, args.max_concurrency, args.disable_tqdm))
+    load = benchmark(url, headers, payloads, [p.prompt_len for p in prompts], chat, offsets, args.max_concurrency,
+                     args.disable_tqdm)
+    watch = EngineStateWatch(base_url, headers, args.watch_engine_state) if args.watch_engine_state else None
+    results, duration = asyncio.run(watch.during(load) if watch else load)
     metrics = compute_metrics(results, duration, selected, percentiles)
+    if watch:
+        print(f"Engine state events received: {watch.num_events} ({watch.num_bytes / max(watch.num_events, 1):.0f} "
+              f"bytes each on average)")
+        metrics["engine_state_events"] = watch.num_events
     if is_long is not None:
         metrics.update(class_metrics(results, is_long))
     if metrics["errors"]:

@@ -61,6 +61,7 @@ class AsyncLLM:
         self.stat_loggers: list[StatLoggerBase] = [LoggingStatLogger(self.get_scheduler_stats)] if log_stats else []
         self._replica_stats: list[SchedulerStats] = client.initial_stats()  # each engine's latest snapshot
         self._streams: dict[str, _RequestStream] = {}  # live requests (the client's threads only read it)
+        self._state_waiters: set[asyncio.Future] = set()  # get_engine_state() calls being answered
         self._stopped_reason: str | None = None
         client.start(self._on_update, self._on_dead)
 
@@ -164,6 +165,25 @@ class AsyncLLM:
         """Each engine's (data-parallel replica's) latest snapshot, by engine index."""
         return list(self._replica_stats)
 
+    async def get_engine_state(self, engine_index: int = 0) -> dict:
+        """A JSON-able snapshot of one engine's queues and KV block pools (see core/state_snapshot.py), taken by its
+        loop between two steps: the scheduler and the block pools are not thread-safe."""
+        if not 0 <= engine_index < self.client.num_engines:
+            raise InvalidRequestError(f"engine must be between 0 and {self.client.num_engines - 1} (the data-parallel "
+                                      f"replicas), got {engine_index}.")
+        if self._stopped_reason is not None:
+            raise EngineDeadError(self._stopped_reason)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._state_waiters.add(future)
+        try:
+            self.client.request_state(engine_index, lambda state: self._call_soon(loop, _settle, future, state))
+            if self._stopped_reason is not None:  # checked after asking: a dying engine may never answer
+                raise EngineDeadError(self._stopped_reason)
+            return await future
+        finally:
+            self._state_waiters.discard(future)
+
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
         self.stat_loggers.append(stat_logger)
 
@@ -247,6 +267,8 @@ class AsyncLLM:
         self._stopped_reason = reason  # first: generate() checks it after queueing, so nothing queued is missed
         for loop in {stream.loop for stream in list(self._streams.values())}:
             self._call_soon(loop, self._fail, None, EngineDeadError(reason))
+        for future in list(self._state_waiters):
+            self._call_soon(future.get_loop(), _settle, future, EngineDeadError(reason))
 
     def _call_soon(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         try:
@@ -256,6 +278,14 @@ class AsyncLLM:
             for request_id in orphans:
                 self._streams.pop(request_id, None)
             self.client.abort_requests(orphans)
+
+
+def _settle(future: asyncio.Future, result: dict | BaseException) -> None:
+    if not future.done():  # the asking coroutine may have been cancelled meanwhile
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 def _check_max_waiting_requests(max_waiting_requests: int | None) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 from pagellm.core.request import Request
 from pagellm.engine.core import EngineCore
-from pagellm.engine.core_loop import EngineCoreLoop
+from pagellm.engine.core_loop import EngineCoreLoop, StateCallback
 from pagellm.engine.core_output import CoreUpdate
 from pagellm.metrics.stats import SchedulerStats
 
@@ -50,6 +50,10 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
         """Finish sequences a stop string ended (sequence id -> stop string), all on one engine."""
+
+    @abstractmethod
+    def request_state(self, engine_index: int, reply: StateCallback) -> None:
+        """Have `reply` called (on a client thread) with that engine's state snapshot, or the exception it raised."""
 
     @abstractmethod
     def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
@@ -87,6 +91,9 @@ class InprocClient(EngineCoreClient):
 
     def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
         self._loop.finish_stopped(stop_reasons)
+
+    def request_state(self, engine_index: int, reply: StateCallback) -> None:
+        self._loop.request_state(reply)
 
     def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
         return self.core.scheduler.num_fitting(demands)  # reads only constants: safe from any thread

@@ -1,11 +1,11 @@
 """EngineCoreLoop: one EngineCore stepped by a thread of its own, fed through an inbox.
 
-The loop owns the core: nothing else touches the scheduler or the executor once it runs. Other threads (the
-server's event loop, or a replica process's pipe reader) queue commands (add, abort, finish after a stop string,
-shutdown); the loop applies them between steps, sleeps on the inbox while idle, and after every pass publishes a
-CoreUpdate: the step's outputs, the requests it refused, the requests that left the core, and a scheduler
-snapshot. When the core can no longer run (a worker died, the step raised), `on_dead(reason)` is called once
-after every request has been aborted.
+The loop owns the core: nothing else touches the scheduler or the executor once it runs. Other threads (the server's
+event loop, or a replica process's pipe reader) queue commands (add, abort, finish after a stop string, a state
+snapshot for the dashboard, shutdown); the loop applies them between steps, sleeps on the inbox while idle, and
+after every pass publishes a CoreUpdate: the step's outputs, the requests it refused, the requests that left the
+core, and a scheduler snapshot. When the core can no longer run (a worker died, the step raised), `on_dead(reason)`
+is called once after every request has been aborted.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.state_snapshot import engine_state
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_output import CoreUpdate, EngineCoreOutputs
 from pagellm.exceptions import EngineDeadError, QueueFullError
@@ -34,11 +35,17 @@ class _FinishStopped:
 
 
 @dataclass
+class _StateRequest:
+    reply: StateCallback
+
+
+@dataclass
 class _ExecutorFailed:
     reason: str
 
 
 _SHUTDOWN = object()
+StateCallback = Callable[[dict | BaseException], None]
 
 
 class EngineCoreLoop:
@@ -67,6 +74,11 @@ class EngineCoreLoop:
 
     def finish_stopped(self, stop_reasons: dict[str, str]) -> None:
         self._inbox.put(_FinishStopped(stop_reasons))
+
+    def request_state(self, reply: StateCallback) -> None:
+        """Have `reply` called on the loop's thread with the engine state snapshot (core/state_snapshot.py), or
+        with the exception that taking it raised."""
+        self._inbox.put(_StateRequest(reply))
 
     def shutdown(self) -> None:
         """Stop the loop (requests in flight are aborted) and the core's workers."""
@@ -110,6 +122,8 @@ class EngineCoreLoop:
                 self._add(item)
             elif isinstance(item, _ExecutorFailed):
                 raise EngineDeadError(item.reason)
+            elif isinstance(item, _StateRequest):
+                self._answer_state(item.reply)
             elif isinstance(item, _FinishStopped):
                 self.core.finish_requests(list(item.stop_reasons), RequestStatus.FINISHED_STOPPED,
                                           stop_reasons=dict(item.stop_reasons))
@@ -121,6 +135,14 @@ class EngineCoreLoop:
             except queue.Empty:
                 return True
         return False
+
+    def _answer_state(self, reply: StateCallback) -> None:
+        try:
+            state: dict | BaseException = engine_state(self.core.scheduler)
+        except Exception as exc:  # a dashboard must never stop the engine
+            logger.exception("Could not take a snapshot of the engine state.")
+            state = exc
+        reply(state)
 
     def _add(self, request: Request) -> None:
         try:

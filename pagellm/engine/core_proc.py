@@ -1,15 +1,16 @@
-"""One engine core in a child process (a data-parallel replica), and `EngineReplica`, its end in the server
-process (DPClient drives several).
+"""One engine core in a child process (a data-parallel replica), and `EngineReplica`, its end in the server process
+(DPClient drives several).
 
-The child builds an EngineCore (with its own executor, which may spawn tp x pp worker processes of its own),
-reports its number of KV blocks, then runs an EngineCoreLoop: commands arrive over a duplex pipe (add, abort,
-finish after a stop string, shutdown) and every CoreUpdate goes back over it. In the parent a reader thread hands
-the updates to the client's callback. A replica that exits (killed, crashed) closes its end of the pipe: the reader
-sees that at once and reports the engine dead. Replicas die with the server (PR_SET_PDEATHSIG), so none is left
-behind however the server ends.
+The child builds an EngineCore (with its own executor, which may spawn tp x pp worker processes of its own), reports
+its number of KV blocks, then runs an EngineCoreLoop: commands arrive over a duplex pipe (add, abort, finish after a
+stop string, state snapshot, shutdown) and every CoreUpdate (and snapshot) goes back over it. In the parent a reader
+thread hands the updates to the client's callback. A replica that exits (killed, crashed) closes its end of the
+pipe: the reader sees that at once and reports the engine dead. Replicas die with the server (PR_SET_PDEATHSIG), so
+none is left behind however the server ends.
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import signal
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request
 from pagellm.engine.core_client import DeadCallback, UpdateCallback
+from pagellm.engine.core_loop import StateCallback
 from pagellm.engine.core_output import CoreUpdate
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
@@ -51,6 +53,8 @@ class EngineReplica:
         self._closing = False
         self._num_blocks = 0
         self._initial_stats: SchedulerStats | None = None
+        self._state_replies: dict[int, StateCallback] = {}  # state requests sent, by token
+        self._state_tokens = itertools.count()
 
     def wait_ready(self) -> None:
         while not self._conn.poll(_POLL_SECONDS):
@@ -84,6 +88,11 @@ class EngineReplica:
     def finish_stopped(self, stop_reasons: dict[str, str]) -> None:
         self._send("finish_stopped", stop_reasons)
 
+    def request_state(self, reply: StateCallback) -> None:
+        token = next(self._state_tokens)
+        self._state_replies[token] = reply
+        self._send("state", token)
+
     def shutdown(self) -> None:
         if self._closing:
             return
@@ -110,6 +119,9 @@ class EngineReplica:
                 return
             if kind == "update":
                 on_update(self.engine_index, payload)
+            elif kind == "state":
+                token, state = payload
+                self._state_replies.pop(token)(state)
             elif not self._closing:  # "dead": its loop stopped
                 on_dead(f"Engine replica {self.engine_index}: {payload}")
                 return
@@ -139,7 +151,7 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
         return
     conn.send(("ready", (core.num_blocks, core.scheduler.stats())))
 
-    def send(kind: str, payload: CoreUpdate | str) -> None:
+    def send(kind: str, payload: CoreUpdate | str | tuple) -> None:
         try:
             conn.send((kind, payload))
         except OSError:
@@ -148,7 +160,8 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
     loop = EngineCoreLoop(core, lambda update: send("update", update), lambda reason: send("dead", reason),
                           max_waiting_requests)
     loop.start()
-    commands = {"add": loop.add_request, "abort": loop.abort_requests, "finish_stopped": loop.finish_stopped}
+    commands = {"add": loop.add_request, "abort": loop.abort_requests, "finish_stopped": loop.finish_stopped,
+                "state": lambda token: loop.request_state(lambda state: send("state", (token, state)))}
     while True:
         try:
             kind, payload = conn.recv()

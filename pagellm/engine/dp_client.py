@@ -17,6 +17,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.engine.core_client import DeadCallback, EngineCoreClient, UpdateCallback
+from pagellm.engine.core_loop import StateCallback
 from pagellm.engine.core_output import CoreUpdate
 from pagellm.engine.core_proc import EngineReplica
 from pagellm.engine.dp_router import LoadAwareRouter
@@ -83,6 +84,9 @@ class DPClient(EngineCoreClient):
 
     def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
         self.replicas[engine_index].finish_stopped(stop_reasons)
+
+    def request_state(self, engine_index: int, reply: StateCallback) -> None:
+        self.replicas[engine_index].request_state(reply)
 
     def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
         """As each replica's scheduler counts, with every demand placed on the replica with the most free blocks."""

@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import FrameType
@@ -36,7 +36,9 @@ from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from pagellm.entrypoints.openai.serving_engine import load_chat_template
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.entrypoints.utils import with_cancellation
+from pagellm.entrypoints.web.routes import add_web_routes
 from pagellm.logger import init_logger
+from pagellm.metrics.history import SAMPLE_INTERVAL_S, StatsHistory
 from pagellm.metrics.prometheus import PrometheusStatLogger
 
 logger = init_logger(__name__)
@@ -69,16 +71,18 @@ def _respond(result: BaseModel | AsyncIterator[str]) -> Response:
     return _ClosingStreamingResponse(result, media_type="text/event-stream")
 
 
-async def _log_stats_periodically(engine: AsyncLLM) -> None:
+async def _every(interval_s: float, callback: Callable[[], None]) -> None:
     while True:
-        await asyncio.sleep(LOG_STATS_INTERVAL_S)
-        engine.do_log_stats()
+        await asyncio.sleep(interval_s)
+        callback()
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The app owns the engine from here on: its shutdown stops the engine."""
     metrics = PrometheusStatLogger(config.served_model_names[0], engine.get_replica_scheduler_stats)
     engine.add_stat_logger(metrics)
+    history = StatsHistory(engine.get_scheduler_stats)  # the dashboard's time series
+    engine.add_stat_logger(history)
     tokenizer = AsyncTokenizer(engine.config.model_config.tokenizer, load_chat_template(config.chat_template))
     serving_args = (engine, config.served_model_names, tokenizer)
     completion = OpenAIServingCompletion(*serving_args)
@@ -87,11 +91,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        log_task = asyncio.create_task(_log_stats_periodically(engine))
+        tasks = [asyncio.create_task(_every(LOG_STATS_INTERVAL_S, engine.do_log_stats)),
+                 asyncio.create_task(_every(SAMPLE_INTERVAL_S, history.sample))]
         try:
             yield
         finally:
-            log_task.cancel()
+            for task in tasks:
+                task.cancel()
             engine.shutdown()
             tokenizer.shutdown()
 
@@ -148,6 +154,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _respond(await tokenization.detokenize(request))
 
+    add_web_routes(app, engine, history, api_key_required=bool(config.api_key))
     return app
 
 

@@ -81,8 +81,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     errors = exc.errors()
     for error in errors[:MAX_REPORTED_VALIDATION_ERRORS]:
-        # Locations name the body, then fields; a union body adds the member's class name (CamelCase), not a field.
-        location = [str(part) for part in error.get("loc", ()) if part != "body" and not str(part)[:1].isupper()]
+        # Locations name the body (or the query string), then fields; a union body adds the member's class name
+        # (CamelCase), not a field.
+        location = [str(part) for part in error.get("loc", ())
+                    if part not in ("body", "query") and not str(part)[:1].isupper()]
         if error.get("type") == "json_invalid":
             parts.append(f"Malformed JSON: {error.get('msg')}")
             continue

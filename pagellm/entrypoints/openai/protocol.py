@@ -27,6 +27,9 @@ MAX_BATCH_PROMPTS = 4096
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 256
 MAX_TOKEN_ID_ITEMS = 1024
+# OpenAI's defaults for a request that leaves them out (the web chat shows them as the server's defaults).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
 
 
 class OpenAIBaseModel(BaseModel):
@@ -141,8 +144,8 @@ class SamplingRequest(RequestModel):
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError naming the field when a value is out of range."""
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, max_tokens=max_tokens,
+            n=self.n, temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p, top_k=self.top_k, max_tokens=max_tokens,
             ignore_eos=self.ignore_eos, seed=self.seed, stop_token_ids=self.stop_token_ids or [], stop=self.stop,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,

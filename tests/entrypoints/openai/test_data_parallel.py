@@ -83,6 +83,15 @@ def test_a_shared_prefix_is_served_where_it_is_cached(dp_server, make_token_prom
     assert hits == [0, 3 * 64]
 
 
+def test_each_replica_shows_its_own_engine_state(dp_server):
+    client = httpx.Client(base_url=dp_server.url, timeout=60)
+    states = [client.get("/v1/engine/state", params={"engine": e}).json()["engine"] for e in range(2)]
+    metrics = dp_server.metrics(per_engine=True)
+    assert [state["device"]["num_blocks"] for state in states] == per_engine(metrics, "pagellm:kv_cache_num_blocks")
+    response = client.get("/v1/engine/state", params={"engine": 2})
+    assert response.status_code == 400 and "--data-parallel-size" in response.json()["error"]["message"]
+
+
 def test_a_killed_replica_turns_health_503_and_nothing_is_left_behind(dp_server):
     replicas = [pid for pid in children(dp_server.process.pid)
                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
