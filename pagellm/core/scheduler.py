@@ -197,7 +197,8 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0 and len(output.scheduled) < limit:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if num_new == 0 or request.request_id in self.in_flight:  # a beam waiting for its siblings' candidates
+            # A beam waiting for its siblings' candidates, or a request whose last batch has not come back yet.
+            if num_new == 0 or request.request_id in self.in_flight:
                 index += 1
                 continue
             while not self.kv_cache_manager.allocate_slots(request, num_new):
