@@ -546,3 +546,27 @@ def test_finish_requests_stopped_by_a_stop_string_frees_blocks_and_sets_stop_rea
     assert sched.finish_requests(["a"], RequestStatus.FINISHED_STOPPED) == []  # already finished: ignored
     out, _, _ = step(sched)
     assert out.finished_req_ids == ["a"] and plan(out) == [("b", 1)]
+
+
+def test_batches_in_flight_never_share_a_request_and_are_never_preempted():
+    """A pipeline's batch queue: two batches split the requests; a request in flight is neither scheduled again
+    nor chosen as a victim; an abort in flight reaches the workers with the next batch that runs, and its late
+    result is ignored."""
+    sched = make_scheduler(num_blocks=5, block_size=4)  # four 4-token prompts take 4 blocks: 1 left to grow
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", prompt_len=4))
+    first = sched.schedule(max_scheduled=2)
+    second = sched.schedule(max_scheduled=2)
+    assert ids(first.scheduled) == ["r0", "r1"] and ids(second.scheduled) == ["r2", "r3"]
+    assert sched.schedule(max_scheduled=2).is_empty  # everything is in flight
+    sched.update_from_output(first, {"r0": [TOKEN], "r1": [TOKEN]})
+    # r0 and r1 each need a fifth slot, a new block, and one is free: r1 must make room, and r2 and r3 (in flight)
+    # may not be the victims, so r1 preempts itself.
+    third = sched.schedule(max_scheduled=2)
+    assert ids(third.scheduled) == ["r0"] and third.preempted_req_ids == ["r1"]
+    sched.finish_requests(["r3"], RequestStatus.FINISHED_ABORTED)  # aborted while its batch runs
+    sched.update_from_output(second, {"r2": [TOKEN], "r3": [TOKEN]})  # r3's result is ignored: it is gone
+    assert sched.requests["r2"].output_token_ids == [TOKEN] and "r3" not in sched.requests
+    sched.update_from_output(third, {"r0": [TOKEN]})
+    assert "r3" in sched.schedule(max_scheduled=2).finished_req_ids
+    sched.check_consistency()
