@@ -1,4 +1,4 @@
-"""`pagellm bench soak`: the plan a seed gives, the request bodies, the outcome and report maths, and a 60 s soak of
+"""`pagellm bench soak`: the plan a seed gives, the request bodies, the outcome and report maths, and a 30 s soak of
 a live `pagellm serve` that must end with no 5xx, no unexpected outcome and an idle, healthy server."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from test_serve_bench import running  # a uvicorn thread on a free port (tests/b
 from pagellm.benchmarks import soak, soak_report
 from pagellm.entrypoints.cli import main
 
-SOAK_SECONDS = 60
+SOAK_SECONDS = 30
 API_KEY = "soak-key"
 BUDGET, PROMPT_LENS = 200, [1, 40, 120, 199]
 MIX = soak.TrafficMix(bad_fraction=0.2, disconnect_fraction=0.3, max_output_len=50)
@@ -223,7 +223,7 @@ def test_a_missing_api_key_is_a_clear_error_not_a_soak_of_401s(soak_server, caps
     assert err.startswith(f"error: GET {soak_server.url}/v1/models answered 401") and "\n" not in err
 
 
-def test_sixty_second_soak_of_a_live_server(soak_server, tiny_model_factory, tmp_path, capsys):
+def test_thirty_second_soak_of_a_live_server(soak_server, tiny_model_factory, tmp_path, capsys):
     report_path = tmp_path / "soak.json"
     exit_status = soak.run(parse("--base-url", soak_server.url, "--api-key", API_KEY, "--duration", str(SOAK_SECONDS),
                                  "--tokenizer", str(tiny_model_factory("llama")), "--bad-fraction", "0.1",
