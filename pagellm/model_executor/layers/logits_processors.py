@@ -1,5 +1,8 @@
 """Logits processors applied on the raw logits before temperature (vLLM's semantics and order).
 
+Structured-output grammars arrive as packed int32 bitmasks (bit t % 32 of word t // 32 allows token t): unpacked
+with NumPy into one bool row per constrained sequence, and every other token set to -inf before anything else.
+
 Dense ones work on the whole batch at once: repetition / frequency / presence penalties from per-row token counts
 built with one scatter-add on the device. Sparse ones (logit_bias entries, banned tokens from bad_words and
 min_tokens) arrive as flat (row, token) index tensors and are applied with one indexed write each; the Python
@@ -9,7 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
+
+
+def unpack_bitmask(rows: Sequence[np.ndarray], vocab_size: int) -> torch.Tensor:
+    """Packed int32 bitmask rows -> [len(rows), vocab_size] bool, True where the token is allowed."""
+    packed = np.ascontiguousarray(np.stack(rows)).view(np.uint8)  # little-endian words: bit order within bytes
+    return torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little").view(np.bool_))
+
+
+def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Set every token a constrained row (`rows`) may not sample to -inf; `allowed` is [len(rows), V] bool."""
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_put((rows,), masked)
 
 
 def apply_penalties(logits: torch.Tensor, prompt_tokens: torch.Tensor, output_tokens: torch.Tensor,

@@ -1,6 +1,7 @@
 """Batched token sampling: per-request parameters as tensors, one pass over the batch.
 
-Order (vLLM's): logprobs are taken from the raw logits; penalties, logit_bias and banned tokens (bad_words,
+Order (vLLM's): structured-output grammars mask disallowed tokens first, so everything after (logprobs
+included) sees the constrained distribution; logprobs are taken from those logits; penalties, logit_bias and banned tokens (bad_words,
 min_tokens) are applied to the raw logits (logits_processors.py); greedy rows take the argmax there, so they stay
 exact next to sampled rows; sampled rows are divided by their temperature, then min_p, top_k and top_p mask. Sampled rows draw with
 the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a request with a seed draws its
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.model_executor.layers.logits_processors import apply_bias_and_bans, apply_penalties
+from pagellm.model_executor.layers.logits_processors import (apply_allowed_tokens, apply_bias_and_bans,
+                                                             apply_penalties)
 
 
 @dataclass
@@ -35,6 +37,8 @@ class SamplingTensors:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values)
     bans: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked to -inf
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: no logprobs
+    # Structured outputs: (rows, [len(rows), V] bool) the tokens each constrained row may sample.
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -95,6 +99,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 class Sampler:
     def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         """logits: [B, V] float32 raw model logits."""
+        if tensors.allowed_tokens is not None:
+            logits = apply_allowed_tokens(logits, *tensors.allowed_tokens)
         wants_logprobs = any(n is not None for n in tensors.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if tensors.repetition_penalty is not None:
