@@ -1,7 +1,8 @@
 """Logits processors applied on the raw logits before temperature (vLLM's semantics and order).
 
-Structured-output grammars arrive as packed int32 bitmasks (bit t % 32 of word t // 32 allows token t): unpacked
-with NumPy into one bool row per constrained sequence, and every other token set to -inf before anything else.
+Structured-output grammars arrive as packed int32 bitmasks (bit t % 32 of word t // 32 allows token t): inverted
+and unpacked with NumPy into one bool row of disallowed tokens per constrained sequence, which are set to -inf in
+place before anything else (a new [B, V] tensor per step would cost more than the masking itself).
 
 Dense ones work on the whole batch at once: repetition / frequency / presence penalties from per-row token counts
 built with one scatter-add on the device. Sparse ones (logit_bias entries, banned tokens from bad_words and
@@ -16,16 +17,19 @@ import numpy as np
 import torch
 
 
-def unpack_bitmask(rows: Sequence[np.ndarray], vocab_size: int) -> torch.Tensor:
-    """Packed int32 bitmask rows -> [len(rows), vocab_size] bool, True where the token is allowed."""
-    packed = np.ascontiguousarray(np.stack(rows)).view(np.uint8)  # little-endian words: bit order within bytes
+def unpack_disallowed(rows: Sequence[np.ndarray], vocab_size: int) -> torch.Tensor:
+    """Packed int32 bitmask rows -> [len(rows), vocab_size] bool, True where the token is NOT allowed."""
+    packed = np.invert(np.stack(rows)).view(np.uint8)  # little-endian words: token t is bit t % 8 of byte t // 8
     return torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little").view(np.bool_))
 
 
-def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Set every token a constrained row (`rows`) may not sample to -inf; `allowed` is [len(rows), V] bool."""
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_put((rows,), masked)
+def mask_disallowed_(logits: torch.Tensor, rows: torch.Tensor | None, disallowed: torch.Tensor) -> torch.Tensor:
+    """In place: set the tokens `disallowed` ([len(rows), V] bool) to -inf in `rows` of `logits` (every row when
+    None). Masking is idempotent, so a retried sampling call may mask the same logits again."""
+    if rows is None:
+        return logits.masked_fill_(disallowed, float("-inf"))
+    logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, prompt_tokens: torch.Tensor, output_tokens: torch.Tensor,

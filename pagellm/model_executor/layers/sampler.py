@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.model_executor.layers.logits_processors import (apply_allowed_tokens, apply_bias_and_bans,
-                                                             apply_penalties)
+from pagellm.model_executor.layers.logits_processors import apply_bias_and_bans, apply_penalties, mask_disallowed_
 
 
 @dataclass
@@ -37,8 +36,9 @@ class SamplingTensors:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values)
     bans: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked to -inf
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: no logprobs
-    # Structured outputs: (rows, [len(rows), V] bool) the tokens each constrained row may sample.
-    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Structured outputs: (rows, or None for all; [len(rows), V] bool) the tokens each constrained row may not
+    # sample.
+    disallowed_tokens: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
 
 @dataclass
@@ -98,9 +98,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
-        """logits: [B, V] float32 raw model logits."""
-        if tensors.allowed_tokens is not None:
-            logits = apply_allowed_tokens(logits, *tensors.allowed_tokens)
+        """logits: [B, V] float32 raw model logits (masked in place for structured outputs)."""
+        if tensors.disallowed_tokens is not None:
+            logits = mask_disallowed_(logits, *tensors.disallowed_tokens)
         wants_logprobs = any(n is not None for n in tensors.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if tensors.repetition_penalty is not None:
