@@ -1,7 +1,8 @@
 """`pagellm bench structured`: what a JSON-schema constraint costs, and whether its outputs are valid.
 
 1. Time per output token with and without a constraint, at each `--batch-sizes`: the engine is stepped by hand and
-   the decode steps (every sequence running, none finished) are timed. The constraint is an array of at least
+   the decode steps (every sequence running, none finished) are timed, the two runs alternating `--rounds` times
+   (a shared machine's noise then hits both alike), and the medians compared. The constraint is an array of at least
    `--min-items` objects, so both runs generate exactly `--output-len` tokens; the grammar's share of a step
    (bitmask, unpacking, masking, advancing the matchers) is what differs.
 2. First-request latency (time to the first token of one request): unconstrained; constrained on a fresh engine
@@ -56,12 +57,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--min-items", type=int, default=50, help="array length that keeps the constraint running")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating unconstrained / constrained runs")
     parser.add_argument("--num-per-schema", type=int, default=10)
     parser.add_argument("--dataset-seed", type=int, default=0)
 
 
-def _decode_step_ms(engine: LLMEngine, prompts: list[dict], params: SamplingParams) -> float:
-    """Median time of the steps in which every sequence decodes."""
+def _decode_step_ms(engine: LLMEngine, prompts: list[dict], params: SamplingParams) -> list[float]:
+    """Times (ms) of the steps in which every sequence decodes."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"tpot-{time.monotonic_ns()}-{i}", prompt, params)
     scheduler = engine.engine_core.scheduler
@@ -72,8 +74,8 @@ def _decode_step_ms(engine: LLMEngine, prompts: list[dict], params: SamplingPara
         start = time.perf_counter()
         engine.step()
         if all_decoding:
-            times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+            times.append(1000 * (time.perf_counter() - start))
+    return times
 
 
 def _first_token_s(engine: LLMEngine, prompt: dict, params: SamplingParams) -> float:
@@ -103,8 +105,11 @@ def measure_overhead(engine: LLMEngine, args: argparse.Namespace) -> None:
     print(f"Time per output token (median decode step), {args.input_len} prompt + {args.output_len} output tokens:")
     for batch in args.batch_sizes:
         prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]} for _ in range(batch)]
-        free = _decode_step_ms(engine, prompts, SamplingParams(**base))
-        constrained = _decode_step_ms(engine, prompts, SamplingParams(**base, structured_outputs=constraint))
+        free_steps, constrained_steps = [], []
+        for _ in range(args.rounds):
+            free_steps += _decode_step_ms(engine, prompts, SamplingParams(**base))
+            constrained_steps += _decode_step_ms(engine, prompts, SamplingParams(**base, structured_outputs=constraint))
+        free, constrained = statistics.median(free_steps), statistics.median(constrained_steps)
         print(f"  batch {batch:>3}: {free:7.2f} ms unconstrained, {constrained:7.2f} ms with a JSON schema "
               f"({100 * (constrained / free - 1):+.1f}%)")
 

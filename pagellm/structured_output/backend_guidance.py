@@ -62,7 +62,12 @@ class GuidanceBackend(StructuredOutputBackend):
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
-        error = llguidance.LLMatcher.validate_grammar(grammar_spec(params))
+        try:
+            error = llguidance.LLMatcher.validate_grammar(grammar_spec(params))
+        except InvalidRequestError:
+            raise
+        except (ValueError, TypeError) as exc:  # e.g. a JSON schema that is `true` rather than an object
+            error = str(exc)
         if error:
             raise InvalidRequestError(f"structured_outputs.{params.kind} cannot be compiled: {error.strip()}")
 

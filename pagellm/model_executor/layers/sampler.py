@@ -1,11 +1,11 @@
 """Batched token sampling: per-request parameters as tensors, one pass over the batch.
 
-Order (vLLM's): structured-output grammars mask disallowed tokens first, so everything after (logprobs
-included) sees the constrained distribution; logprobs are taken from those logits; penalties, logit_bias and banned tokens (bad_words,
-min_tokens) are applied to the raw logits (logits_processors.py); greedy rows take the argmax there, so they stay
-exact next to sampled rows; sampled rows are divided by their temperature, then min_p, top_k and top_p mask. Sampled rows draw with
-the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a request with a seed draws its
-q from its own generator, so its tokens do not depend on the rest of the batch.
+Order (vLLM's): structured-output grammars mask disallowed tokens first, so everything after (logprobs included)
+sees the constrained distribution; logprobs are taken from those logits; penalties, logit_bias and banned tokens
+(bad_words, min_tokens) are applied next (logits_processors.py); greedy rows take the argmax there, so they stay
+exact next to sampled rows; sampled rows are divided by their temperature, then min_p, top_k and top_p mask.
+Sampled rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a request
+with a seed draws its q from its own generator, so its tokens do not depend on the rest of the batch.
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ def stream(mode: str, req: ChatCompletionRequest, pieces: list[str]) -> tuple[st
 
 AUTO_TEXTS = [
     'Let me check. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
-    '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+    '<tool_call>{"name": "g", "arguments": {}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": {"a": 1}}',  # unclosed at the end: still a call
     "No calls here, just a < sign and <tool",
     "<tool_call>not json</tool_call>",
