@@ -105,13 +105,20 @@ def measure_overhead(engine: LLMEngine, args: argparse.Namespace) -> None:
     print(f"Time per output token (median decode step), {args.input_len} prompt + {args.output_len} output tokens:")
     for batch in args.batch_sizes:
         prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]} for _ in range(batch)]
-        free_steps, constrained_steps = [], []
+        steps: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+        timings = engine.engine_core.step_timings
+        splits = {}
         for _ in range(args.rounds):
-            free_steps += _decode_step_ms(engine, prompts, SamplingParams(**base))
-            constrained_steps += _decode_step_ms(engine, prompts, SamplingParams(**base, structured_outputs=constraint))
-        free, constrained = statistics.median(free_steps), statistics.median(constrained_steps)
+            for label, params in (("unconstrained", SamplingParams(**base)),
+                                  ("constrained", SamplingParams(**base, structured_outputs=constraint))):
+                timings.reset()
+                steps[label] += _decode_step_ms(engine, prompts, params)
+                splits[label] = timings.report()
+        free, constrained = statistics.median(steps["unconstrained"]), statistics.median(steps["constrained"])
         print(f"  batch {batch:>3}: {free:7.2f} ms unconstrained, {constrained:7.2f} ms with a JSON schema "
               f"({100 * (constrained / free - 1):+.1f}%)")
+        for label, split in splits.items():  # the grammar's work: bitmask in schedule, masking in sample, update
+            print(f"    {label} (last round, all steps): {split}")
 
 
 def measure_first_request(engine: LLMEngine, args: argparse.Namespace) -> None:

@@ -182,7 +182,7 @@ class Scheduler:
         pool, host_pool, prefix = manager.block_pool, manager.host_pool, manager.prefix_stats
         efficiency = manager.token_efficiency({r.request_id: r.num_computed_tokens for r in self.running})
         return SchedulerStats(
-            len(self.running), len(self.waiting), pool.num_used_blocks, pool.num_blocks, self.num_preemptions_total,
+            len(self.running), len(self.waiting) + len(self.waiting_for_fsm), pool.num_used_blocks, pool.num_blocks, self.num_preemptions_total,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             prefix_cache_preempted_queries=prefix.preempted_queries,
             prefix_cache_preempted_hits=prefix.preempted_hits, kv_cache_token_efficiency=efficiency,

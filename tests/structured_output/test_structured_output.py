@@ -164,3 +164,28 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(backend):
     again = make_request("d", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
     manager.grammar_init(again.structured_output_request)
     assert again.structured_output_request.compiled is request.structured_output_request.compiled is not None
+
+
+def test_other_parameters_cannot_push_a_row_out_of_its_grammar():
+    """An overflowing repetition penalty makes every allowed logit -inf and min_tokens bans the one allowed token:
+    the constrained rows still sample an allowed token (their most likely one), the free row is left alone."""
+    from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors
+
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    logits[0, 5], logits[0, 9] = -1.0, -0.5  # negative: an infinite repetition penalty makes them -inf
+    allowed = [torch.tensor([5, 9]), torch.tensor([2])]
+    disallowed = torch.ones(2, vocab, dtype=torch.bool)
+    for row, ids in enumerate(allowed):
+        disallowed[row, ids] = False
+    tensors = SamplingTensors(
+        temperature=torch.tensor([0.0, 1.0, 0.0]), top_p=torch.ones(3), top_k=torch.full((3,), vocab),
+        all_greedy=False, needs_top_k=False, needs_top_p=False, generators={}, num_logprobs=[None] * 3,
+        repetition_penalty=torch.tensor([float("inf"), 1.0, 1.0]), frequency_penalty=torch.zeros(3),
+        presence_penalty=torch.zeros(3), prompt_tokens=torch.arange(vocab).repeat(3, 1),
+        output_tokens=torch.full((3, 1), vocab), bans=(torch.tensor([1]), torch.tensor([2])),
+        disallowed_tokens=(torch.tensor([0, 1]), disallowed))
+    tokens = Sampler()(logits.clone(), tensors).sampled.tolist()
+    assert tokens[0] == 9
+    assert tokens[1] == 2
+    assert tokens[2] == int(logits[2].argmax())

@@ -101,6 +101,7 @@ class Sampler:
         """logits: [B, V] float32 raw model logits (masked in place for structured outputs)."""
         if tensors.disallowed_tokens is not None:
             logits = mask_disallowed_(logits, *tensors.disallowed_tokens)
+        masked = logits  # the processors below return new tensors
         wants_logprobs = any(n is not None for n in tensors.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if tensors.repetition_penalty is not None:
@@ -110,8 +111,26 @@ class Sampler:
         if tensors.logit_bias is not None or tensors.bans is not None:
             logits = apply_bias_and_bans(logits, tensors.logit_bias, tensors.bans)
         tokens = self._sample(logits, tensors)
+        if tensors.disallowed_tokens is not None:
+            tokens = self._keep_to_grammar(tokens, masked, *tensors.disallowed_tokens)
         logprobs = gather_logprobs(raw_logprobs, tokens, tensors.num_logprobs) if wants_logprobs else None
         return SamplerOutput(tokens, logprobs)
+
+    @staticmethod
+    def _keep_to_grammar(tokens: torch.Tensor, masked: torch.Tensor, rows: torch.Tensor | None,
+                         disallowed: torch.Tensor) -> torch.Tensor:
+        """A constrained row whose other parameters left no allowed token with a finite logit (a penalty that
+        overflows, bans or min_tokens on every allowed token) samples NaN or a banned token: such a row takes its
+        most likely allowed token instead, so the output never leaves its grammar."""
+        chosen = tokens if rows is None else tokens[rows]
+        bad = disallowed.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        if not bad.any():
+            return tokens
+        fallback = (masked if rows is None else masked[rows]).argmax(dim=-1)
+        chosen = torch.where(bad, fallback, chosen)
+        if rows is None:
+            return chosen
+        return tokens.index_put((rows,), chosen)
 
     def _sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)
