@@ -182,7 +182,8 @@ class Scheduler:
         pool, host_pool, prefix = manager.block_pool, manager.host_pool, manager.prefix_stats
         efficiency = manager.token_efficiency({r.request_id: r.num_computed_tokens for r in self.running})
         return SchedulerStats(
-            len(self.running), len(self.waiting) + len(self.waiting_for_fsm), pool.num_used_blocks, pool.num_blocks, self.num_preemptions_total,
+            len(self.running), len(self.waiting) + len(self.waiting_for_fsm), pool.num_used_blocks, pool.num_blocks,
+            self.num_preemptions_total,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             prefix_cache_preempted_queries=prefix.preempted_queries,
             prefix_cache_preempted_hits=prefix.preempted_hits, kv_cache_token_efficiency=efficiency,
@@ -438,7 +439,7 @@ class Scheduler:
                 sequence.cumulative_logprob += entry[1][0]
             sequence.append_output_token(token)
             structured = sequence.structured_output_request
-            if structured is not None and not structured.grammar.accept_tokens(sequence.request_id, [token]):
+            if structured is not None and not structured.grammar.accept_tokens([token]):
                 raise RuntimeError(f"Sampled token {token} is not allowed by the request's structured output "
                                    f"grammar.")
             status = self._check_stop(sequence)

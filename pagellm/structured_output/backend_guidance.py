@@ -40,7 +40,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
 
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+    def accept_tokens(self, tokens: list[int]) -> bool:
         return self.matcher.consume_tokens(tokens)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:

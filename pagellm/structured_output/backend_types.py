@@ -21,7 +21,7 @@ class StructuredOutputGrammar(ABC):
     """One sequence's position in its grammar."""
 
     @abstractmethod
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+    def accept_tokens(self, tokens: list[int]) -> bool:
         """Advance over sampled tokens; False (the grammar unchanged past the first bad token) if one is not
         allowed."""
 

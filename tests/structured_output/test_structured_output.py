@@ -52,19 +52,19 @@ def test_choice_bitmask_is_every_token_that_can_start_a_choice(backend, tokenize
     expected = {t for t, text in texts.items() if text and any(c.startswith(text) for c in CHOICES)}
     assert allowed_ids(bitmask[1]) == expected
     # Walk "no" to its end: then only EOS may follow, and the grammar has terminated.
-    assert grammar.accept_tokens("r", tokenizer.encode("no"))
+    assert grammar.accept_tokens(tokenizer.encode("no"))
     assert grammar.is_terminated()
     grammar.fill_bitmask(bitmask, 0)
     assert allowed_ids(bitmask[0]) == {EOS}
-    assert not grammar.accept_tokens("r", tokenizer.encode("x"))
+    assert not grammar.accept_tokens(tokenizer.encode("x"))
 
 
 def test_fork_is_independent(backend, tokenizer):
     grammar = backend.compile_grammar(StructuredOutputsParams(regex="(ab|cd)e"))
     fork = grammar.fork()
-    assert grammar.accept_tokens("a", tokenizer.encode("ab"))
-    assert fork.accept_tokens("b", tokenizer.encode("cd"))
-    assert grammar.accept_tokens("a", tokenizer.encode("e")) and grammar.is_terminated()
+    assert grammar.accept_tokens(tokenizer.encode("ab"))
+    assert fork.accept_tokens(tokenizer.encode("cd"))
+    assert grammar.accept_tokens(tokenizer.encode("e")) and grammar.is_terminated()
     assert not fork.is_terminated()
 
 

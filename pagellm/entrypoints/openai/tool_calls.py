@@ -164,7 +164,9 @@ class ToolCallStreamer:
         return content or None, [_delta(i, call) for i, call in enumerate(calls)]
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """"tool_calls" when calls were made and the output was not cut short."""
-        if engine_reason == "stop" and self.num_sent_calls:
-            return "tool_calls"
-        return engine_reason
+        return tool_finish_reason(engine_reason, self.num_sent_calls > 0)
+
+
+def tool_finish_reason(engine_reason: str | None, made_calls: bool) -> str | None:
+    """"tool_calls" when calls were made and the output was not cut short (a truncated call keeps "length")."""
+    return "tool_calls" if engine_reason == "stop" and made_calls else engine_reason
