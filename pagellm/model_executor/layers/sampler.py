@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.model_executor.layers.logits_processors import apply_bias_and_bans, apply_penalties, mask_disallowed_
+from pagellm.model_executor.layers.logits_processors import apply_bias_and_bans, apply_penalties, mask_disallowed
 
 
 @dataclass
@@ -98,9 +98,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
-        """logits: [B, V] float32 raw model logits (masked in place for structured outputs)."""
+        """logits: [B, V] float32 raw model logits."""
         if tensors.disallowed_tokens is not None:
-            logits = mask_disallowed_(logits, *tensors.disallowed_tokens)
+            logits = mask_disallowed(logits, *tensors.disallowed_tokens)
         masked = logits  # the processors below return new tensors
         wants_logprobs = any(n is not None for n in tensors.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
