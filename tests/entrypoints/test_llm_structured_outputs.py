@@ -194,3 +194,16 @@ def test_uncompilable_constraints_are_refused_before_queueing(constraint, messag
     no_leaks(llm)
     # The engine keeps serving.
     assert llm.generate(prompts[:1], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+
+
+def test_chat_with_tools_and_a_constrained_call(llm):
+    """LLM.chat hands `tools` to the template; a call constrained to the tool's schema parses as its arguments."""
+    template = ("{% for tool in tools or [] %}[{{ tool.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    [output] = llm.chat([{"role": "user", "content": "Weather?"}], params, use_tqdm=False, chat_template=template,
+                        tools=[tool])
+    assert output.prompt.startswith("[get_weather]user: Weather?")
+    assert _valid_json(output.outputs[0].text)
