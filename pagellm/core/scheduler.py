@@ -155,11 +155,12 @@ class Scheduler:
     def num_waiting_for_capacity(self) -> int:
         """Waiting requests that could not start now even with an unlimited token budget: counting from the head
         of the queue, those beyond the free sequence slots (n each) or the free KV blocks (their tokens so far).
-        A burst that fits is not a backlog."""
-        demands = ((self._num_sequences(r), r.num_tokens) for r in self.waiting)
+        A burst that fits is not a backlog. Requests whose grammar compiles count as queued behind the others."""
+        queued = [*self.waiting, *self.waiting_for_fsm]
+        demands = ((self._num_sequences(r), r.num_tokens) for r in queued)
         free_seqs = self.config.max_num_seqs - self._num_slots_in_use()
         free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
-        return len(self.waiting) - self.num_fitting(demands, free_seqs, free_blocks)
+        return len(queued) - self.num_fitting(demands, free_seqs, free_blocks)
 
     def num_fitting(self, demands: Iterable[tuple[int, int]], free_seqs: int | None = None,
                     free_blocks: int | None = None) -> int:
