@@ -9,7 +9,8 @@
    (llguidance's view of the tokenizer is built, then the grammar compiled); a new schema (compile only); the same
    schema again (cached).
 3. Validity: `--num-per-schema` sampled objects for each of 5 schemas (nested objects, arrays, enums, bounded
-   numbers, required fields), each parsed with `json` and validated with `jsonschema`.
+   numbers, required fields; strict, as OpenAI's strict mode requires: no undeclared properties), each parsed
+   with `json` and validated with `jsonschema`.
 """
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ SCHEMAS = {
                                                          "note": _NAME},
                         "required": ["id", "title", "done"]},
 }
+
+
+def _strict(schema: dict) -> dict:
+    """OpenAI's strict mode: no properties beyond the listed ones on any object (without it a model may add keys
+    with strings of any length and run out of tokens)."""
+    if schema.get("type") == "object":
+        schema = {**schema, "additionalProperties": False,
+                  "properties": {k: _strict(v) for k, v in schema["properties"].items()}}
+    return schema
+
+
+SCHEMAS = {name: _strict(schema) for name, schema in SCHEMAS.items()}
 PROMPTS = {
     "nested object": "Give a person's name and postal address as JSON.",
     "array": "List a few tags for a photo of a beach as JSON.",
