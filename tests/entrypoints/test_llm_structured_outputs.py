@@ -104,13 +104,16 @@ def test_every_output_matches_its_constraint(kind, llm, prompts, no_leaks):
     no_leaks(llm)
 
 
-def test_constraints_mixed_with_free_requests_and_preemption(model_dir, llm, prompts, pool_bytes, no_leaks):
-    """A small pool preempts (recompute) constrained sequences mid-output: every output still matches, and
-    greedy ones equal the big pool's (the grammar state survived preemption). Free requests run beside them."""
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_constraints_mixed_with_free_requests_and_preemption(preemption_mode, model_dir, llm, prompts, pool_bytes,
+                                                             no_leaks):
+    """A small pool preempts constrained sequences mid-output (their K/V recomputed or swapped to the host tier):
+    every output still matches, and greedy ones equal the big pool's (the grammar state survived preemption). Free
+    requests run beside them."""
     block_size, max_model_len = 4, 160
     small = LLM(model=str(model_dir), max_model_len=max_model_len, block_size=block_size,
                 kv_cache_memory_bytes=pool_bytes(model_dir, block_size, max_model_len // block_size + 2),
-                max_num_batched_tokens=32)
+                max_num_batched_tokens=32, preemption_mode=preemption_mode)
     kinds = ["json", "regex", "choice", "grammar"]
     batch, params = [], []
     for kind in kinds:
