@@ -1,8 +1,10 @@
 """User-facing sampling parameters (vLLM's names and semantics)."""
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.exceptions import InvalidRequestError
 
@@ -14,6 +16,56 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 def _check_int(name: str, value: object, low: int, high: int, what: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise InvalidRequestError(f"{name} must be {what or 'an integer'} in [{low}, {high}], got {value!r}.")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one of `json` (a JSON schema, as a dict or its
+    text), `regex`, `choice` (the output is one of these strings), `grammar` (Lark or GBNF/EBNF) and
+    `json_object=True` (any JSON object). `disable_any_whitespace` makes JSON compact (no free whitespace between
+    tokens), which also keeps weak models from emitting whitespace forever."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(f"structured_outputs must set exactly one of json, regex, choice, grammar and "
+                                      f"json_object; got {', '.join(given) if given else 'none'}.")
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {exc}.") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise InvalidRequestError(f"structured_outputs.json must be a JSON schema (an object), got "
+                                      f"{type(self.json).__name__}.")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError(f"structured_outputs.choice must be a non-empty list of strings, got "
+                                      f"{self.choice!r:.100}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.100}.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a JSON schema or choice list as canonical JSON): the grammar cache's key."""
+        value = getattr(self, self.kind)
+        return value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
 
 
 @dataclass
@@ -38,6 +90,10 @@ class SamplingParams:
     the same for every prompt token after the first. Both are computed from the *raw* model logits
     (log_softmax before temperature, penalties and masks), like vLLM's default "raw_logprobs" mode.
     `truncate_prompt_tokens=k` keeps only the last k prompt tokens.
+
+    `structured_outputs` constrains the text (a JSON schema, regex, choice list or grammar): each step, tokens
+    that cannot continue a valid output are masked out of the logits before everything else, so logprobs are
+    those of the constrained distribution; the sequence stops ("stop") as soon as the output is complete.
 
     `n` sequences are sampled per prompt. The prompt is computed once and its KV blocks are shared by the n
     sequences (the last, partly filled block is copied when they first write to it). With a seed, sequence i
@@ -67,6 +123,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -139,6 +196,9 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), 0, INT64_MAX)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, INT64_MAX)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequestError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                      f"{type(self.structured_outputs).__name__}.")
 
     @property
     def needs_penalties(self) -> bool:

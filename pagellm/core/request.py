@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from pagellm.core.beam_group import BeamGroup
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is still compiling (vLLM's name)
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -73,6 +75,9 @@ class Request:
     beam_group: BeamGroup | None = None
     beam_candidates: tuple[list[int], list[float]] | None = None
 
+    # sampling_params.structured_outputs: the sequence's grammar (compiling while status is WAITING_FOR_FSM).
+    structured_output_request: StructuredOutputRequest | None = None
+
     # Prefix caching: the chained hash of each full block of all_token_ids (extended by the KV cache manager as
     # tokens arrive), and how many prompt tokens the first admission found in the cache.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -81,6 +86,9 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.group_id = self.group_id or self.request_id
+        if self.sampling_params.structured_outputs is not None and self.structured_output_request is None:
+            self.structured_output_request = StructuredOutputRequest(self.sampling_params.structured_outputs)
+            self.status = RequestStatus.WAITING_FOR_FSM
 
     def fork(self, request_id: str, index: int, sampling_params: SamplingParams | None = None) -> Request:
         """A new sequence with this one's tokens and progress (its KV blocks are shared by the caller)."""
@@ -95,6 +103,8 @@ class Request:
         child.block_hashes = list(self.block_hashes)
         child.prompt_logprobs = []  # reported once, by the group's first sequence
         child.beam_candidates = None
+        if self.structured_output_request is not None:
+            child.structured_output_request = self.structured_output_request.fork()
         child.num_preemptions = 0  # its own, from now on
         return child
 

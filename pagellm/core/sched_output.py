@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagellm.sampling_params import SamplingParams
 
 
@@ -52,6 +54,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: the sequences of this step that sample under a grammar, and per sequence (same order) a
+    # packed row of the tokens it may sample (int32 words, bit t % 32 of word t // 32; see structured_output/).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

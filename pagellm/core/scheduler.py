@@ -12,6 +12,11 @@ When the KV pool runs out, a running request is preempted: its K/V are dropped a
 Sequences of one user request (n > 1, beam search) are Requests with the same `group_id`; they are forked from
 one another and share KV blocks (see KVCacheManager). Aborting a group id aborts all of them.
 
+A request with structured outputs waits in WAITING_FOR_FSM (outside the queue, so it holds nobody up) until the
+StructuredOutputManager has compiled its grammar; once running, each step's SchedulerOutput carries the token
+bitmask of its grammar, and its grammar advances with each sampled token and finishes it when the output is
+complete.
+
 A request whose results cannot be applied (an exception while updating it) fails alone: its whole group is
 finished with FINISHED_ERROR, its blocks freed, and the failure reported through `take_failed_groups`; the other
 requests of the step go on.
@@ -34,14 +39,18 @@ from pagellm.core.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
+from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
+        self.waiting_for_fsm: list[Request] = []  # grammars compiling, in arrival order
         self.policy = SchedulingPolicy(config)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -64,6 +73,14 @@ class Scheduler:
         if beam_group is not None:
             request.beam_group = beam_group
             beam_group.beams = [request]
+        if request.structured_output_request is not None:
+            if self.structured_output_manager is None:
+                raise InvalidRequestError("This scheduler has no structured output manager; drop "
+                                          "sampling_params.structured_outputs.")
+            self.structured_output_manager.grammar_init(request.structured_output_request)
+            self._track(request)
+            self.waiting_for_fsm.append(request)
+            return
         self._track(request)
         self.waiting.append(request)
 
@@ -118,6 +135,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                self.waiting_for_fsm.remove(request)
             else:
                 self.waiting.remove(request)
             if stop_reasons and request_id in stop_reasons:
@@ -127,7 +146,7 @@ class Scheduler:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_fsm)
 
     @property
     def num_unfinished(self) -> int:
@@ -137,19 +156,21 @@ class Scheduler:
     def check_consistency(self) -> None:
         """Raise RuntimeError unless the queues hold exactly the live requests and the KV block accounting is
         exact."""
-        queued = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-        if queued != set(self.requests) or len(queued) != len(self.running) + len(self.waiting):
+        queues = (self.running, self.waiting, self.waiting_for_fsm)
+        queued = {r.request_id for queue in queues for r in queue}
+        if queued != set(self.requests) or len(queued) != sum(map(len, queues)):
             raise RuntimeError("The scheduler's queues disagree with its live requests.")
         self.kv_cache_manager.check_consistency(set(self.requests))
 
     def num_waiting_for_capacity(self) -> int:
         """Waiting requests that could not start now even with an unlimited token budget: counting from the head
         of the queue, those beyond the free sequence slots (n each) or the free KV blocks (their tokens so far).
-        A burst that fits is not a backlog."""
-        demands = ((self._num_sequences(r), r.num_tokens) for r in self.waiting)
+        A burst that fits is not a backlog. Requests whose grammar compiles count as queued behind the others."""
+        queued = [*self.waiting, *self.waiting_for_fsm]
+        demands = ((self._num_sequences(r), r.num_tokens) for r in queued)
         free_seqs = self.config.max_num_seqs - self._num_slots_in_use()
         free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
-        return len(self.waiting) - self.num_fitting(demands, free_seqs, free_blocks)
+        return len(queued) - self.num_fitting(demands, free_seqs, free_blocks)
 
     def num_fitting(self, demands: Iterable[tuple[int, int]], free_seqs: int | None = None,
                     free_blocks: int | None = None) -> int:
@@ -172,7 +193,8 @@ class Scheduler:
         pool, host_pool, prefix = manager.block_pool, manager.host_pool, manager.prefix_stats
         efficiency = manager.token_efficiency({r.request_id: r.num_computed_tokens for r in self.running})
         return SchedulerStats(
-            len(self.running), len(self.waiting), pool.num_used_blocks, pool.num_blocks, self.num_preemptions_total,
+            len(self.running), len(self.waiting) + len(self.waiting_for_fsm), pool.num_used_blocks, pool.num_blocks,
+            self.num_preemptions_total,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             prefix_cache_preempted_queries=prefix.preempted_queries,
             prefix_cache_preempted_hits=prefix.preempted_hits, kv_cache_token_efficiency=efficiency,
@@ -185,6 +207,7 @@ class Scheduler:
     def schedule(self, max_scheduled: int | None = None) -> SchedulerOutput:
         """The next batch: at most `max_scheduled` requests (a pipeline splits its requests into a batch per stage,
         so that the stages overlap), none of them in flight."""
+        self._admit_compiled_grammars()
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         token_budget = self.config.max_num_batched_tokens
@@ -224,6 +247,7 @@ class Scheduler:
         transfers = self.kv_cache_manager.take_transfers()
         output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
         output.blocks_to_copy = transfers.copies
+        self._fill_grammar_bitmask(output)
         if output.is_empty:
             # Nothing for the workers to do (everything is in flight): the sequences they drop go with the next
             # batch instead.
@@ -234,6 +258,29 @@ class Scheduler:
 
     def _preemptible(self, candidates: list[Request]) -> list[Request]:
         return [r for r in candidates if r.request_id not in self.in_flight] if self.in_flight else candidates
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue; one whose grammar failed fails alone."""
+        errors: dict[str, str] = {}
+        for request in [r for r in self.waiting_for_fsm if r.structured_output_request.is_compiled]:
+            try:
+                request.structured_output_request.take_grammar()
+            except Exception as exc:
+                errors[request.group_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            self.waiting_for_fsm.remove(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        self._fail_groups(errors)
+
+    def _fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The allowed tokens of every constrained sequence that samples this step, one packed row each."""
+        constrained = [(s.request_id, request.structured_output_request.grammar) for s in output.scheduled
+                       if s.needs_sample
+                       and (request := self.requests[s.request_id]).structured_output_request is not None]
+        if constrained:
+            output.structured_output_request_ids = [request_id for request_id, _ in constrained]
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask([g for _, g in constrained])
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
         """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its
@@ -416,6 +463,10 @@ class Scheduler:
                 sequence.logprobs.append(entry)
                 sequence.cumulative_logprob += entry[1][0]
             sequence.append_output_token(token)
+            structured = sequence.structured_output_request
+            if structured is not None and not structured.grammar.accept_tokens([token]):
+                raise RuntimeError(f"Sampled token {token} is not allowed by the request's structured output "
+                                   f"grammar.")
             status = self._check_stop(sequence)
             if status is not None:
                 self.running.remove(sequence)
@@ -484,6 +535,10 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        structured = request.structured_output_request
+        if structured is not None and structured.grammar.is_terminated():  # the output is complete
+            request.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -20,10 +20,13 @@ from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import StepTimings
+from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
 MAX_CONSECUTIVE_FAILED_STEPS = 3
+# With nothing to run but requests whose grammars compile, a step waits this long at most for one of them.
+GRAMMAR_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -36,7 +39,8 @@ class EngineCore:
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.structured_output_manager = StructuredOutputManager(config.model_config)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output_manager)
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
@@ -52,6 +56,7 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, status, stop_reasons)
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
@@ -74,6 +79,11 @@ class EngineCore:
             if not output.is_empty and len(self._in_flight) < stages:
                 return EngineCoreOutputs()
         if not self._in_flight:
+            if self.scheduler.waiting_for_fsm:
+                # Only requests whose grammars compile are left: wait for one instead of spinning.
+                self.structured_output_manager.wait_for_any(
+                    [r.structured_output_request for r in self.scheduler.waiting_for_fsm], GRAMMAR_WAIT_S)
+                return EngineCoreOutputs()
             if self.scheduler.has_unfinished_requests():
                 # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
                 raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")

@@ -12,6 +12,7 @@ from pagellm.core.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.structured_output.manager import validate_structured_outputs
 
 # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}; a dict may add "cache_salt": "..." (vLLM's).
 PromptType = Union[str, dict[str, Any]]
@@ -135,6 +136,8 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > max_logprobs:
                 raise InvalidRequestError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
         bad_words_token_ids = self.tokenize_bad_words(params.bad_words or [])
         for ids in bad_words_token_ids:
             if any(not 0 <= t < vocab for t in ids):

@@ -1,6 +1,6 @@
 """The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), and the benchmarks
 `bench throughput`, `bench latency`, `bench sweep`, `bench accuracy`, `bench serve`, `bench soak`, `bench sharing`,
-`bench prefix`, `bench memory`."""
+`bench prefix`, `bench memory`, `bench control`, `bench structured`."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +44,8 @@ _ENGINE_BENCHMARKS = {
     "prefix": "prefix caching on vs off: a shared system prompt and a chat replay (tok/s, TTFT, hit rate)",
     "memory": "a small KV pool: recompute vs swap preemption, outputs compared, KV token efficiency",
     "control": "per-step cost of the worker boundary: transport, and uni vs mp executors",
+    "structured": "JSON-schema constrained decoding: time per output token vs unconstrained, first-request "
+                  "latency with compilation, validity of sampled objects",
 }
 
 

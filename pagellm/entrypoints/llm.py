@@ -83,8 +83,10 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them (with `tools`, OpenAI-style
+        function definitions, for templates that render them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -93,7 +95,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt, tools=tools)
             # The template already holds any BOS; tokenizing without special tokens avoids a second one.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

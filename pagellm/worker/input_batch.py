@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagellm.core.sched_output import NewRequestData, SchedulerOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -46,6 +48,8 @@ class BatchedRequest:
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     num_samples: int = 1
+    # Structured outputs: this step's packed row of the tokens the sequence may sample (see sched_output.py).
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +66,8 @@ class InputBatch:
             self.requests.pop(request_id, None)
         for data in output.new_requests:
             self.requests[data.request_id] = CachedRequestState.from_new(data)
+        bitmask_rows = dict(zip(output.structured_output_request_ids,
+                                output.grammar_bitmask if output.grammar_bitmask is not None else ()))
         batch = []
         for scheduled in output.scheduled:
             state = self.requests.get(scheduled.request_id)
@@ -79,5 +85,6 @@ class InputBatch:
             batch.append(BatchedRequest(
                 state.request_id, state.all_token_ids[start:start + scheduled.num_tokens], start, state.block_ids,
                 state.sampling_params, scheduled.needs_sample, state.prompt_token_ids, state.output_token_ids,
-                state.eos_token_ids, state.bad_words_token_ids, scheduled.num_samples))
+                state.eos_token_ids, state.bad_words_token_ids, scheduled.num_samples,
+                bitmask_rows.get(scheduled.request_id)))
         return batch

@@ -21,7 +21,7 @@ from pagellm.config import ModelConfig
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
-from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists
+from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists, unpack_disallowed
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
@@ -161,6 +161,11 @@ class ModelRunner:
             generators=generators,
             num_logprobs=[p.logprobs for p in params],
         )
+        constrained = [row for row, r in enumerate(requests) if r.grammar_bitmask is not None]
+        if constrained:
+            disallowed = unpack_disallowed([requests[row].grammar_bitmask for row in constrained], vocab)
+            rows = None if len(constrained) == len(requests) else torch.tensor(constrained, device=self.device)
+            tensors.disallowed_tokens = (rows, disallowed.to(self.device))
         if any(p.min_p > 0.0 and not p.is_greedy for p in params):
             tensors.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
         if any(p.needs_penalties for p in params):

@@ -31,6 +31,7 @@ class AsyncTokenizer:
         self._executor = ThreadPoolExecutor(NUM_THREADS, thread_name_prefix="pagellm-tokenizer")
         tokenizer = get_tokenizer(tokenizer_name)  # loaded here too, so a broken tokenizer fails at start-up
         self.has_chat_template = chat_template is not None or bool(getattr(tokenizer, "chat_template", None))
+        self.supports_tools = self.has_chat_template and _renders_tools(tokenizer, chat_template)
         self.max_chars_per_token = _NORMALIZER_SLACK * max(map(len, tokenizer.get_vocab()))
 
     def _tokenizer(self):
@@ -57,10 +58,12 @@ class AsyncTokenizer:
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return await self._run(_convert_ids_to_tokens, token_ids)
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The chat template (the server's --chat-template, else the tokenizer's) applied to `messages`, as text.
-        transformers renders it in a sandboxed Jinja environment; template errors raise jinja2's TemplateError."""
-        return await self._run(_render_chat, messages, self.chat_template, add_generation_prompt)
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template (the server's --chat-template, else the tokenizer's) applied to `messages` and
+        `tools`, as text. transformers renders it in a sandboxed Jinja environment; template errors raise jinja2's
+        TemplateError."""
+        return await self._run(_render_chat, messages, self.chat_template, add_generation_prompt, tools)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -79,6 +82,18 @@ def _convert_ids_to_tokens(tokenizer, token_ids: list[int]) -> list[str]:
 
 
 def _render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None,
-                 add_generation_prompt: bool) -> str:
+                 add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, tools=tools)
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "pagellm_probe_tool", "parameters": {"type": "object"}}}
+
+
+def _renders_tools(tokenizer, chat_template: str | None) -> bool:
+    """Whether the chat template shows tools to the model (tool_choice "auto" parses calls only then)."""
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        return "pagellm_probe_tool" in _render_chat(tokenizer, messages, chat_template, True, [_PROBE_TOOL])
+    except Exception:  # a template that cannot render this probe cannot be relied on for tools either
+        return False

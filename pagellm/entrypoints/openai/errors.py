@@ -56,7 +56,7 @@ def to_error_body(exc: Exception) -> ErrorResponse:
     if isinstance(exc, InvalidRequestError):
         # SamplingParams and the engine's input checks start their messages with the offending field's name. Any
         # other ValueError is a bug, answered 500 below like every unexpected error.
-        first_word = str(exc).split(" ", 1)[0]
+        first_word = str(exc).split(" ", 1)[0].split(".", 1)[0]  # "structured_outputs.regex ..." names its field
         return error_body(str(exc), HTTPStatus.BAD_REQUEST, first_word if first_word in _PARAM_NAMES else None)
     if isinstance(exc, QueueFullError):
         return error_body(str(exc), HTTPStatus.SERVICE_UNAVAILABLE)

@@ -8,13 +8,19 @@ that depend on the engine (vocabulary, context length, n against the KV pool) ar
 processor and SamplingParams."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from pagellm.entrypoints.openai.protocol_base import OpenAIBaseModel
+from pagellm.entrypoints.openai.protocol_structured import (REMOVED_GUIDED_FIELDS, ChatCompletionNamedToolChoiceParam,
+                                                            ChatCompletionToolsParam, DeltaToolCall, ResponseFormat,
+                                                            StructuredOutputsRequest, ToolCall)
+from pagellm.exceptions import InvalidRequestError
+from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
@@ -27,15 +33,11 @@ MAX_BATCH_PROMPTS = 4096
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 256
 MAX_TOKEN_ID_ITEMS = 1024
+MAX_TOOLS = 128
+
 # OpenAI's defaults for a request that leaves them out (the web chat shows them as the server's defaults).
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
-
-
-class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as by OpenAI and vLLM; known fields that would change the result but are not
-    # implemented are listed in `unsupported_fields` and refused instead.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 def _has_lone_surrogate(value: Any) -> bool:
@@ -82,11 +84,8 @@ class SamplingRequest(RequestModel):
     # Field -> why it is refused when set to anything but a neutral value (None, false, "", [], {} or one of
     # `neutral_values`).
     unsupported_fields: ClassVar[dict[str, str]] = {
-        **{f"guided_{kind}": "structured outputs are not implemented yet (vLLM's replacement is "
-                             "`structured_outputs`, also not implemented here)"
-           for kind in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")},
-        "structured_outputs": "structured outputs are not implemented yet",
-        "response_format": "only {\"type\": \"text\"} is supported (structured outputs are not implemented yet)",
+        **{name: f"it was removed (vLLM now ignores it and returns unconstrained text); use {replacement}"
+           for name, replacement in REMOVED_GUIDED_FIELDS.items()},
         "logits_processors": "custom logits processors are not supported",
         "allowed_token_ids": "allowed_token_ids is not implemented; use logit_bias",
         "prompt_logprobs": "prompt logprobs are not available over HTTP yet",
@@ -97,7 +96,7 @@ class SamplingRequest(RequestModel):
         "prompt_embeds": "prompt embeddings are not supported",
         "mm_processor_kwargs": "multimodal input is not supported",
     }
-    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {"response_format": ({"type": "text"},)}
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str | None = None
     n: PositiveInt64 = 1
@@ -125,6 +124,9 @@ class SamplingRequest(RequestModel):
     truncate_prompt_tokens: PositiveInt64 | None = None
     priority: Int64 = 0  # lower runs first; non-zero only with --scheduling-policy priority
     cache_salt: str | None = None  # prompts share cached prefix blocks only with prompts of the same salt
+    # Constraints on the output: OpenAI's response_format, or vLLM's structured_outputs (not both).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -141,8 +143,19 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises InvalidRequestError naming the field when a value is out of range."""
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequestError("structured_outputs and response_format both constrain the output; set only "
+                                      "one of them.")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.to_params()
+        return self.response_format.to_params() if self.response_format is not None else None
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """Raises InvalidRequestError naming the field when a value is out of range. `structured_outputs`: a
+        constraint of the caller's (tool calls) instead of the request's own."""
         return SamplingParams(
             n=self.n, temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p, top_k=self.top_k, max_tokens=max_tokens,
@@ -153,7 +166,8 @@ class SamplingRequest(RequestModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
             logit_bias=self.logit_bias, bad_words=self.bad_words, logprobs=logprobs,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=structured_outputs or self.structured_output_params())
 
 
 class CompletionRequest(SamplingRequest):
@@ -187,21 +201,38 @@ class ChatMessageParam(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def to_template_message(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text parts joined into one string."""
+        """The message as chat templates expect it: text parts joined into one string; tool-call arguments as
+        objects (templates render them with `tojson`), as vLLM passes them."""
         content = self.content if not isinstance(self.content, list) else "\n".join(p.text for p in self.content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls]
         return message
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        raise InvalidRequestError(f"tool_calls arguments must be a JSON string, got {arguments!r:.100}.") from None
 
 
 class ChatCompletionRequest(SamplingRequest):
     unsupported_fields: ClassVar[dict[str, str]] = {
         **SamplingRequest.unsupported_fields,
-        **{name: "tool calls are not implemented yet" for name in ("tools", "tool_choice", "functions",
-                                                                  "function_call")},
+        **{name: "the legacy functions API is not supported; use tools and tool_choice"
+           for name in ("functions", "function_call")},
         "audio": "audio output is not supported", "modalities": "only text output is supported",
         "prediction": "predicted outputs are not implemented",
         "web_search_options": "web search is not supported",
@@ -213,7 +244,7 @@ class ChatCompletionRequest(SamplingRequest):
         "echo": "echoing the last message is not implemented",
     }
     neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **SamplingRequest.neutral_values, "tool_choice": ("none",), "modalities": (["text"],)}
+        **SamplingRequest.neutral_values, "modalities": (["text"],)}
 
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: PositiveInt64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -222,13 +253,37 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: NonNegativeInt64 | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's: the template already holds the special tokens it wants
+    tools: Annotated[list[ChatCompletionToolsParam], Field(max_length=MAX_TOOLS)] | None = None
+    # OpenAI's default: "auto" with tools, "none" without.
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
+    parallel_tool_calls: bool = True  # False: at most one call ("required" makes exactly one)
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("invalid_field", "{field} requires logprobs to be true",
                                       {"field": "top_logprobs"})
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto"):
+            if not self.tools:
+                raise PydanticCustomError("invalid_field", "{field} needs tools to choose from",
+                                          {"field": "tool_choice"})
+            if isinstance(choice, ChatCompletionNamedToolChoiceParam) and choice.function.name not in {
+                    tool.function.name for tool in self.tools}:
+                raise PydanticCustomError("invalid_field", "{field} names function {name!r}, which is not in tools",
+                                          {"field": "tool_choice", "name": choice.function.name})
+            if self.structured_outputs is not None or (self.response_format is not None
+                                                       and self.response_format.type != "text"):
+                raise PydanticCustomError("invalid_field", "{field} forces a tool call, which already constrains "
+                                          "the output; drop response_format / structured_outputs",
+                                          {"field": "tool_choice"})
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | ChatCompletionNamedToolChoiceParam:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
@@ -284,6 +339,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -306,6 +362,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

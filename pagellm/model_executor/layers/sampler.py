@@ -1,10 +1,11 @@
 """Batched token sampling: per-request parameters as tensors, one pass over the batch.
 
-Order (vLLM's): logprobs are taken from the raw logits; penalties, logit_bias and banned tokens (bad_words,
-min_tokens) are applied to the raw logits (logits_processors.py); greedy rows take the argmax there, so they stay
-exact next to sampled rows; sampled rows are divided by their temperature, then min_p, top_k and top_p mask. Sampled rows draw with
-the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a request with a seed draws its
-q from its own generator, so its tokens do not depend on the rest of the batch.
+Order (vLLM's): structured-output grammars mask disallowed tokens first, so everything after (logprobs included)
+sees the constrained distribution; logprobs are taken from those logits; penalties, logit_bias and banned tokens
+(bad_words, min_tokens) are applied next (logits_processors.py); greedy rows take the argmax there, so they stay
+exact next to sampled rows; sampled rows are divided by their temperature, then min_p, top_k and top_p mask.
+Sampled rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a request
+with a seed draws its q from its own generator, so its tokens do not depend on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.model_executor.layers.logits_processors import apply_bias_and_bans, apply_penalties
+from pagellm.model_executor.layers.logits_processors import apply_bias_and_bans, apply_penalties, mask_disallowed
 
 
 @dataclass
@@ -35,6 +36,9 @@ class SamplingTensors:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values)
     bans: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked to -inf
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None: no logprobs
+    # Structured outputs: (rows, or None for all; [len(rows), V] bool) the tokens each constrained row may not
+    # sample.
+    disallowed_tokens: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
 
 @dataclass
@@ -95,6 +99,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 class Sampler:
     def __call__(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         """logits: [B, V] float32 raw model logits."""
+        if tensors.disallowed_tokens is not None:
+            logits = mask_disallowed(logits, *tensors.disallowed_tokens)
+        masked = logits  # the processors below return new tensors
         wants_logprobs = any(n is not None for n in tensors.num_logprobs)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if tensors.repetition_penalty is not None:
@@ -104,8 +111,26 @@ class Sampler:
         if tensors.logit_bias is not None or tensors.bans is not None:
             logits = apply_bias_and_bans(logits, tensors.logit_bias, tensors.bans)
         tokens = self._sample(logits, tensors)
+        if tensors.disallowed_tokens is not None:
+            tokens = self._keep_to_grammar(tokens, masked, *tensors.disallowed_tokens)
         logprobs = gather_logprobs(raw_logprobs, tokens, tensors.num_logprobs) if wants_logprobs else None
         return SamplerOutput(tokens, logprobs)
+
+    @staticmethod
+    def _keep_to_grammar(tokens: torch.Tensor, masked: torch.Tensor, rows: torch.Tensor | None,
+                         disallowed: torch.Tensor) -> torch.Tensor:
+        """A constrained row whose other parameters left no allowed token with a finite logit (a penalty that
+        overflows, bans or min_tokens on every allowed token) samples NaN or a banned token: such a row takes its
+        most likely allowed token instead, so the output never leaves its grammar."""
+        chosen = tokens if rows is None else tokens[rows]
+        bad = disallowed.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        if not bad.any():
+            return tokens
+        fallback = (masked if rows is None else masked[rows]).argmax(dim=-1)
+        chosen = torch.where(bad, fallback, chosen)
+        if rows is None:
+            return chosen
+        return tokens.index_put((rows,), chosen)
 
     def _sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
         greedy_tokens = logits.argmax(dim=-1)

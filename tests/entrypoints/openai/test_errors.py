@@ -74,12 +74,12 @@ def assert_still_serving(http) -> None:
     ("/v1/completions", dict(GOOD, logprobs=21), "logprobs"),  # more than --max-logprobs 20
     # Options that would change the result but are not implemented: refused, never ignored.
     ("/v1/completions", dict(GOOD, guided_json={"type": "object"}), "guided_json"),
-    ("/v1/completions", dict(GOOD, response_format={"type": "json_object"}), "response_format"),
+    ("/v1/completions", dict(GOOD, response_format={"type": "xml"}), "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a+"},
      "guided_regex"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                              "tools": [{"type": "function"}]}, "tools"),
     # Text that is not valid Unicode, nesting deep enough to exhaust a recursive walk, lists that would cost
     # work per step.
     ("/v1/completions", dict(GOOD, prompt="\ud800"), "prompt"),

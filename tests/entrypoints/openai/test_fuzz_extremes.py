@@ -156,6 +156,14 @@ COMMON_FIELDS = {
     "cache_salt": st.sampled_from(STRINGS + WRONG_TYPES),
     "max_tokens": st.sampled_from(NUMBERS),
     "add_special_tokens": st.sampled_from(BOOLS),
+    # No NaN inside these: they are free-form objects, where only the server's own checks can refuse one.
+    "response_format": st.sampled_from([None, {}, "x", 5, [], {"type": "text"}, {"type": "json_object"},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}]),
+    "structured_outputs": st.sampled_from([None, {}, "x", 5, {"regex": "a+"}, {"regex": "a("}, {"choice": ["a", "b"]},
+                                           {"choice": []}, {"json": {"type": "object"}}, {"json": "{"},
+                                           {"grammar": 'start: "a"'}, {"grammar": "root ::= x"},
+                                           {"json_object": True}, {"regex": "a", "choice": ["b"]}]),
 }
 COMPLETION_FIELDS = {
     **COMMON_FIELDS,
@@ -172,10 +180,11 @@ CHAT_FIELDS = {
     "logprobs": st.sampled_from(BOOLS),
     "top_logprobs": st.sampled_from(NUMBERS + [5, 20, 21]),
     "add_generation_prompt": st.sampled_from(BOOLS),
-    # No NaN inside these two: they are free-form objects, where only the server's own checks can refuse one.
     "tools": st.sampled_from([None, [], "x", 5, [{"type": "function", "function": {"name": "f"}}], [{}]]),
-    "response_format": st.sampled_from([None, {}, "x", 5, [], {"type": "text"}, {"type": "json_object"},
-                                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}]),
+    "tool_choice": st.sampled_from([None, "none", "auto", "required", "x", 5, {},
+                                    {"type": "function", "function": {"name": "f"}},
+                                    {"type": "function", "function": {"name": "g"}}]),
+    "parallel_tool_calls": st.sampled_from(BOOLS),
 }
 
 # For the names a request model declares it refuses (`unsupported_fields`: OpenAI or vLLM parameters that are not

@@ -1,0 +1,191 @@
+"""The structured-output pieces on their own: the llguidance backend's bitmask against the vocabulary (an
+independent check: which tokens' text can start a choice), the unpacking the workers do, the bitmask's trip through
+a pickled SchedulerOutput to a worker's batch, and the scheduler around a grammar that is still compiling (it
+waits without holding up other requests; n > 1 forks the grammar; a finished grammar stops the sequence)."""
+from __future__ import annotations
+
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.scheduler import Scheduler
+from pagellm.model_executor.layers.logits_processors import mask_disallowed, unpack_disallowed
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.structured_output.backend_guidance import GuidanceBackend
+from pagellm.structured_output.manager import StructuredOutputManager
+from pagellm.worker.input_batch import InputBatch
+
+VOCAB = 49152
+EOS = 2
+CHOICES = ["yes please", "no"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return GuidanceBackend(tokenizer, VOCAB, frozenset({EOS}))
+
+
+def allowed_ids(bitmask_row: np.ndarray) -> set[int]:
+    """Bit t % 32 of word t // 32, read one token at a time (the slow, obvious way)."""
+    return {t for t in range(VOCAB) if (int(bitmask_row[t // 32]) >> (t % 32)) & 1}
+
+
+def test_choice_bitmask_is_every_token_that_can_start_a_choice(backend, tokenizer):
+    grammar = backend.compile_grammar(StructuredOutputsParams(choice=CHOICES))
+    bitmask = np.zeros((2, VOCAB // 32), dtype=np.int32)
+    grammar.fill_bitmask(bitmask, 1)
+    assert not bitmask[0].any()
+    texts = {t: tokenizer.decode([t]) for t in range(VOCAB) if not tokenizer.convert_ids_to_tokens(t).startswith("<")}
+    expected = {t for t, text in texts.items() if text and any(c.startswith(text) for c in CHOICES)}
+    assert allowed_ids(bitmask[1]) == expected
+    # Walk "no" to its end: then only EOS may follow, and the grammar has terminated.
+    assert grammar.accept_tokens(tokenizer.encode("no"))
+    assert grammar.is_terminated()
+    grammar.fill_bitmask(bitmask, 0)
+    assert allowed_ids(bitmask[0]) == {EOS}
+    assert not grammar.accept_tokens(tokenizer.encode("x"))
+
+
+def test_fork_is_independent(backend, tokenizer):
+    grammar = backend.compile_grammar(StructuredOutputsParams(regex="(ab|cd)e"))
+    fork = grammar.fork()
+    assert grammar.accept_tokens(tokenizer.encode("ab"))
+    assert fork.accept_tokens(tokenizer.encode("cd"))
+    assert grammar.accept_tokens(tokenizer.encode("e")) and grammar.is_terminated()
+    assert not fork.is_terminated()
+
+
+def test_unpack_and_mask_match_a_per_bit_reference():
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(-2**31, 2**31, size=VOCAB // 32, dtype=np.int64).astype(np.int32) for _ in range(3)]
+    disallowed = unpack_disallowed(rows, VOCAB)
+    for row, unpacked in zip(rows, disallowed):
+        assert set(torch.nonzero(~unpacked).flatten().tolist()) == allowed_ids(row)
+    logits = torch.randn(5, VOCAB)
+    out = mask_disallowed(logits.clone(), torch.tensor([0, 3, 4]), disallowed)
+    for out_row, in_row, mask in zip(out[[0, 3, 4]], logits[[0, 3, 4]], disallowed):
+        assert torch.equal(out_row, in_row.masked_fill(mask, float("-inf")))
+    assert torch.equal(out[[1, 2]], logits[[1, 2]])
+    assert torch.equal(mask_disallowed(logits[:3].clone(), None, disallowed), logits[:3].masked_fill(
+        disallowed, float("-inf")))
+
+
+class SlowManager(StructuredOutputManager):
+    """Compiles only once `release` is set, so the test sees a request waiting for its grammar."""
+
+    def __init__(self, model_config, backend) -> None:
+        super().__init__(model_config)
+        self._backend = backend
+        self.release = threading.Event()
+
+    def _compile(self, params):
+        self.release.wait(10)
+        return super()._compile(params)
+
+
+class _ModelConfig:
+    vocab_size = VOCAB
+
+
+def make_request(request_id: str, params: SamplingParams) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=[100, 101, 102], sampling_params=params,
+                   eos_token_ids=frozenset({EOS}), max_tokens=params.max_tokens)
+
+
+def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, tokenizer):
+    manager = SlowManager(_ModelConfig(), backend)
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(config, KVCacheManager(64, 4, enable_prefix_caching=False), manager)
+    constrained = make_request("c", SamplingParams(n=2, temperature=1.0, max_tokens=10,
+                                                   structured_outputs=StructuredOutputsParams(choice=CHOICES)))
+    free = make_request("f", SamplingParams(temperature=0.0, max_tokens=10))
+    sched.add_request(constrained)
+    sched.add_request(free)
+    worker = InputBatch()
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["f"] and out.grammar_bitmask is None
+    assert constrained.status == RequestStatus.WAITING_FOR_FSM and sched.has_unfinished_requests()
+    sched.check_consistency()
+    worker.update(out)
+    sched.update_from_output(out, {"f": [7]})
+
+    manager.release.set()
+    manager.wait_for_any([constrained.structured_output_request], 10)
+    out = pickle.loads(pickle.dumps(sched.schedule()))  # what a worker process receives
+    assert [s.request_id for s in out.scheduled] == ["f", "c"]
+    assert out.structured_output_request_ids == ["c"]
+    batch = {r.request_id: r for r in worker.update(out)}
+    assert batch["f"].grammar_bitmask is None
+    assert allowed_ids(batch["c"].grammar_bitmask) == allowed_ids(out.grammar_bitmask[0])
+    assert tokenizer.encode("no")[0] in allowed_ids(batch["c"].grammar_bitmask)
+
+    # n = 2: the two sequences take different choices, each with its own grammar; "no" completes at once.
+    yes, no = tokenizer.encode("yes"), tokenizer.encode("no")
+    _, finished = sched.update_from_output(out, {"f": [7], "c": [yes[0], no[0]]})
+    assert [(r.request_id, r.finish_reason) for r in finished] == [("c/1", "stop")]
+    out = sched.schedule()
+    assert out.structured_output_request_ids == ["c"]
+    rest = CHOICES[0][len(tokenizer.decode(yes[:1])):]
+    allowed = allowed_ids(out.grammar_bitmask[0])
+    assert allowed and all(rest.startswith(tokenizer.decode([t])) for t in allowed)
+    sched.abort_requests(["c", "f"])
+    assert not sched.has_unfinished_requests()
+    sched.check_consistency()
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(backend):
+    class FailingManager(StructuredOutputManager):
+        def _compile(self, params):
+            raise ValueError("no such grammar")
+
+    manager = FailingManager(_ModelConfig())
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(config, KVCacheManager(64, 4, enable_prefix_caching=False), manager)
+    request = make_request("c", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+    sched.add_request(request)
+    manager.wait_for_any([request.structured_output_request], 10)
+    assert sched.schedule().is_empty
+    assert sched.take_failed_groups() == {"c": "ValueError: no such grammar"}
+    assert not sched.has_unfinished_requests()
+    # The failed compilation is cached like any other: the same text fails again without a second compile.
+    again = make_request("d", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+    manager.grammar_init(again.structured_output_request)
+    assert again.structured_output_request.compiled is request.structured_output_request.compiled is not None
+
+
+def test_other_parameters_cannot_push_a_row_out_of_its_grammar():
+    """An overflowing repetition penalty makes every allowed logit -inf and min_tokens bans the one allowed token:
+    the constrained rows still sample an allowed token (their most likely one), the free row is left alone."""
+    from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors
+
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    logits[0, 5], logits[0, 9] = -1.0, -0.5  # negative: an infinite repetition penalty makes them -inf
+    allowed = [torch.tensor([5, 9]), torch.tensor([2])]
+    disallowed = torch.ones(2, vocab, dtype=torch.bool)
+    for row, ids in enumerate(allowed):
+        disallowed[row, ids] = False
+    tensors = SamplingTensors(
+        temperature=torch.tensor([0.0, 1.0, 0.0]), top_p=torch.ones(3), top_k=torch.full((3,), vocab),
+        all_greedy=False, needs_top_k=False, needs_top_p=False, generators={}, num_logprobs=[None] * 3,
+        repetition_penalty=torch.tensor([float("inf"), 1.0, 1.0]), frequency_penalty=torch.zeros(3),
+        presence_penalty=torch.zeros(3), prompt_tokens=torch.arange(vocab).repeat(3, 1),
+        output_tokens=torch.full((3, 1), vocab), bans=(torch.tensor([1]), torch.tensor([2])),
+        disallowed_tokens=(torch.tensor([0, 1]), disallowed))
+    tokens = Sampler()(logits.clone(), tensors).sampled.tolist()
+    assert tokens[0] == 9
+    assert tokens[1] == 2
+    assert tokens[2] == int(logits[2].argmax())
