@@ -147,6 +147,8 @@ class ParallelConfig:
     # replica's index among them.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Keep a batch per pipeline stage in flight, so stages work at once (see EngineArgs.pipeline_overlap).
+    pipeline_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -161,6 +163,11 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"The 'uni' executor runs one rank in this process, but tensor x pipeline parallel "
                              f"size is {self.world_size}; use --distributed-executor-backend mp or ray.")
+
+    @property
+    def concurrent_stages(self) -> int:
+        """Pipeline stages that compute at the same time: all of them with pipeline_overlap, else one."""
+        return self.pipeline_parallel_size if self.pipeline_overlap else 1
 
     @property
     def world_size(self) -> int:

@@ -54,6 +54,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
     data_parallel_size: int = 1  # engine replicas (pagellm serve)
+    # A batch per pipeline stage in flight. None: on for CUDA (each rank its own device), off on the CPU, where
+    # the stages share the same cores and memory bandwidth and splitting batches measured slower.
+    pipeline_overlap: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -67,8 +70,10 @@ class EngineArgs:
         max_model_len = self._max_model_len(hf_config)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}; fix --max-logprobs.")
+        pipeline_overlap = device.type == "cuda" if self.pipeline_overlap is None else self.pipeline_overlap
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                         self.distributed_executor_backend, self.data_parallel_size)
+                                         self.distributed_executor_backend, self.data_parallel_size,
+                                         pipeline_overlap=pipeline_overlap)
         check_parallel_sizes(hf_config, parallel_config)
         model_config = ModelConfig(
             model=str(model_dir),
@@ -173,6 +178,10 @@ class EngineArgs:
                             choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                             help="uni: this process (one rank); mp: one process per rank on this machine; ray: "
                                  "Ray actors (multi-node). Default: uni for one rank, mp for more")
+        parser.add_argument("--pipeline-overlap", action=argparse.BooleanOptionalAction,
+                            default=EngineArgs.pipeline_overlap,
+                            help="keep a batch per pipeline stage in flight so stages work at once (the mp "
+                                 "executor). Default: on for CUDA, off on the CPU, where stages share the cores")
         parser.add_argument("--data-parallel-size", "-dp", type=int, default=EngineArgs.data_parallel_size,
                             help="pagellm serve: engine replicas, each in its own process with its own KV cache "
                                  "and tp x pp ranks; requests are routed by load and prompt prefix")

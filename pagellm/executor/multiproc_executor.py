@@ -72,9 +72,9 @@ class MultiprocExecutor(Executor):
 
     @property
     def max_concurrent_batches(self) -> int:
-        # One batch per pipeline stage: each rank works through its pipe in order, so while the last stage runs
-        # batch N the first can run batch N + 1.
-        return self.config.parallel_config.pipeline_parallel_size
+        # With pipeline_overlap, one batch per stage: each rank works through its pipe in order, so while the last
+        # stage runs batch N the first can run batch N + 1.
+        return self.config.parallel_config.concurrent_stages
 
     def submit_model(self, output: SchedulerOutput) -> None:
         self._send_all("execute_model", (output,))

@@ -59,8 +59,9 @@ class Worker:
             keep_large_allocations_on_heap()
             if parallel.world_size > 1 or parallel.data_parallel_size > 1:
                 # The ranks (of every replica) share this machine's cores instead of each spawning a thread per
-                # core; pipeline stages work on different batches at once, so they count too.
-                concurrent_ranks = parallel.world_size * parallel.data_parallel_size
+                # core; with pipeline_overlap the stages work on different batches at once, so they count too.
+                concurrent_ranks = (parallel.tensor_parallel_size * parallel.concurrent_stages
+                                    * parallel.data_parallel_size)
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // concurrent_ranks))
         if parallel.world_size > 1:
             from pagellm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel

@@ -1,7 +1,8 @@
 """Pipeline parallelism end to end: stages in worker processes (gloo), each holding a range of the decoder layers
 and passing the residual stream on, give the single-rank engine's greedy tokens and logprobs, under chunked
-prefill, preemption, n > 1 and beam search, with a batch per stage in flight; with an uneven split and a tied LM head (Qwen3); combined with
-tensor parallelism (2 x 2 ranks); and on the default model."""
+prefill, preemption, n > 1 and beam search with a batch per stage in flight (--pipeline-overlap); with an uneven
+split and a tied LM head (Qwen3); combined with tensor parallelism (2 x 2 ranks); and on the default model (those
+two with the CPU default, one batch at a time)."""
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,8 @@ def test_stage_layer_range_splits_evenly_earlier_stages_taking_the_remainder():
 
 
 def test_two_stages_equal_one_on_a_tiny_model(tiny_model_factory, make_token_prompts, pool_bytes):
-    """4 layers, 2 per stage. A 10-block pool (each stage caches half the layers, so half the bytes hold as many
-    blocks) and a 32-token budget: chunked prefill and preemption happen in both runs alike."""
+    """4 layers, 2 per stage, a batch per stage in flight. A 10-block pool (each stage caches half the layers, so
+    half the bytes hold as many blocks) and a 32-token budget: chunked prefill and preemption happen in both runs."""
     model_dir = tiny_model_factory("llama", num_hidden_layers=4)
     prompts = make_token_prompts([7, 40, 70, 100], seed=21)
 
@@ -65,7 +66,8 @@ def test_two_stages_equal_one_on_a_tiny_model(tiny_model_factory, make_token_pro
                 engine_core.executor.collective_rpc("weight_bytes"), max(in_flight))
 
     results = {pp: generate_with(model_dir, prompts, workload, max_model_len=128, max_num_batched_tokens=32,
-                                 pipeline_parallel_size=pp, kv_cache_memory_bytes=pool_bytes(model_dir, 16, 10) // pp)
+                                 pipeline_parallel_size=pp, kv_cache_memory_bytes=pool_bytes(model_dir, 16, 10) // pp,
+                                 pipeline_overlap=True)
                for pp in (1, 2)}
     assert_same_greedy(results[2][0], results[1][0])
     assert results[2][1:4] == results[1][1:4]  # the same pool: half the layers in half the bytes
