@@ -12,10 +12,10 @@ FILE_BYTES = 64 << 20
 SLICE_BYTES = 1 << 20
 
 
-def resident_bytes() -> int:
+def file_backed_resident_bytes() -> int:
+    """RssFile: pages of mapped files this process has touched (a whole read lands in RssAnon instead)."""
     status = Path("/proc/self/status").read_text()
-    return sum(int(re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
-               for field in ("RssAnon", "RssFile"))
+    return int(re.search(r"^RssFile:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
 
 
 def test_mapped_equals_read_and_touches_only_its_slice(tmp_path):
@@ -24,16 +24,15 @@ def test_mapped_equals_read_and_touches_only_its_slice(tmp_path):
     path.write_bytes(data.numpy().tobytes())
     start = FILE_BYTES // 2
 
-    before = resident_bytes()
+    before = file_backed_resident_bytes()
     mapped = read_file(path, mapped=True)
     piece = mapped[start:start + SLICE_BYTES].clone()
-    mapped_growth = resident_bytes() - before
+    mapped_growth = file_backed_resident_bytes() - before
     assert torch.equal(piece, data[start:start + SLICE_BYTES])
-    assert mapped_growth < 8 * SLICE_BYTES, mapped_growth  # the slice (mapped, then copied), not the file
+    # The slice's pages came from the mapping (so the file was not read into private memory), and only they did.
+    assert SLICE_BYTES // 2 <= mapped_growth < 8 * SLICE_BYTES, mapped_growth
 
-    read = read_file(path)
-    assert resident_bytes() - before >= FILE_BYTES  # a whole read holds the whole file
-    assert torch.equal(read, data) and torch.equal(mapped, data)
+    assert torch.equal(read_file(path), data) and torch.equal(mapped, data)
     # Copy-on-write: writing to the mapping never changes the file.
     mapped[:16] = 0
     assert path.read_bytes()[:16] == data[:16].numpy().tobytes()
