@@ -30,9 +30,21 @@ GRAMMAR_CACHE_SIZE = 256
 NUM_COMPILE_THREADS = 2
 
 
-def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Raise InvalidRequestError with the backend's message if the constraint cannot compile (before queueing)."""
-    GuidanceBackend.validate(params)
+class GrammarValidator:
+    """Checks before a request is queued that its constraint compiles for this model, raising InvalidRequestError
+    with the backend's message: grammars may name special tokens and token ids, which only the tokenizer resolves.
+    llguidance's view of the tokenizer (~0.4 s) is built on the first constrained request."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer_args = (hf_tokenizer, vocab_size, eos_token_ids)
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = GuidanceBackend.tokenizer_view(*self._tokenizer_args)
+        GuidanceBackend.validate(params, self._ll_tokenizer)
 
 
 class StructuredOutputManager:

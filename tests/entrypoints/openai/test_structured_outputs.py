@@ -191,6 +191,10 @@ def test_tool_results_go_through_the_template(client, smollm2_dir):
                                                                    "compiled: .*unclosed group"),
     ("completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}}}, "structured_outputs.json cannot"),
+    # Only the model's tokenizer knows these: still refused before queueing.
+    ("completions", {"structured_outputs": {"grammar": 'start: <|nonexistent|> "x"'}},
+     "(?s)structured_outputs.grammar cannot be compiled: .*unknown special token"),
+    ("completions", {"structured_outputs": {"grammar": 'start: <[99999999]> "x"'}}, "(?s)Token range end too large"),
     ("chat/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
     ("chat/completions", {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "set only one of them"),
