@@ -12,7 +12,8 @@ from pagellm.core.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
-from pagellm.structured_output.manager import GrammarValidator
+from pagellm.structured_output.backend_guidance import GuidanceBackend
+from pagellm.structured_output.manager import LazyBackend
 
 # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}; a dict may add "cache_salt": "..." (vLLM's).
 PromptType = Union[str, dict[str, Any]]
@@ -28,7 +29,9 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.grammar_validator = GrammarValidator(tokenizer, self.model_config.vocab_size, eos_token_ids)
+        # Validates constraints against this tokenizer before queueing (special tokens a grammar names included).
+        self.grammar_backend = LazyBackend(lambda: GuidanceBackend(tokenizer, self.model_config.vocab_size,
+                                                                   eos_token_ids))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -138,7 +141,7 @@ class InputProcessor:
             if value is not None and value > max_logprobs:
                 raise InvalidRequestError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
         if params.structured_outputs is not None:
-            self.grammar_validator.validate(params.structured_outputs)
+            self.grammar_backend.get().validate(params.structured_outputs)
         bad_words_token_ids = self.tokenize_bad_words(params.bad_words or [])
         for ids in bad_words_token_ids:
             if any(not 0 <= t < vocab for t in ids):

@@ -56,18 +56,13 @@ class GuidanceGrammar(StructuredOutputGrammar):
 
 class GuidanceBackend(StructuredOutputBackend):
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        # ~0.3 s for a 50k vocabulary: built once per engine, on the manager's thread.
-        self.ll_tokenizer = self.tokenizer_view(hf_tokenizer, vocab_size, eos_token_ids)
+        # ~0.3 s for a 50k vocabulary: built on first use (see manager.LazyBackend).
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                         eos_token=sorted(eos_token_ids) or None)
 
-    @staticmethod
-    def tokenizer_view(hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> llguidance.LLTokenizer:
-        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids) or None)
-
-    @staticmethod
-    def validate(params: StructuredOutputsParams, ll_tokenizer: llguidance.LLTokenizer | None = None) -> None:
-        """With the tokenizer, also the special tokens and token ids a grammar names are checked."""
+    def validate(self, params: StructuredOutputsParams) -> None:
         try:
-            error = llguidance.LLMatcher.validate_grammar(grammar_spec(params), ll_tokenizer)
+            error = llguidance.LLMatcher.validate_grammar(grammar_spec(params), self.ll_tokenizer)
         except InvalidRequestError:
             raise
         except (ValueError, TypeError) as exc:  # e.g. a JSON schema that is `true` rather than an object

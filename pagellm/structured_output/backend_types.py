@@ -39,11 +39,13 @@ class StructuredOutputGrammar(ABC):
 
 
 class StructuredOutputBackend(ABC):
-    @staticmethod
+    """A grammar library bound to one model's tokenizer."""
+
     @abstractmethod
-    def validate(params: StructuredOutputsParams) -> None:
-        """Raise InvalidRequestError with the library's message if the constraint cannot be compiled. Cheap and
-        needs no tokenizer, so it runs before a request is queued."""
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Raise InvalidRequestError with the library's message if the constraint cannot be compiled for this
+        tokenizer (special tokens and token ids a grammar names included). Cheap, so it runs before a request is
+        queued."""
 
     @abstractmethod
     def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from pagellm.config import ModelConfig
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
-from pagellm.structured_output.backend_types import StructuredOutputGrammar, bitmask_words
+from pagellm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar, bitmask_words
 from pagellm.structured_output.request import StructuredOutputRequest
 from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -30,21 +31,21 @@ GRAMMAR_CACHE_SIZE = 256
 NUM_COMPILE_THREADS = 2
 
 
-class GrammarValidator:
-    """Checks before a request is queued that its constraint compiles for this model, raising InvalidRequestError
-    with the backend's message: grammars may name special tokens and token ids, which only the tokenizer resolves.
-    llguidance's view of the tokenizer (~0.4 s) is built on the first constrained request."""
+class LazyBackend:
+    """The grammar backend of one tokenizer, built when first asked for (llguidance's view of the tokenizer takes
+    ~0.4 s), once, whichever threads ask at the same time. The engine's input processor holds one to validate
+    constraints before queueing; the manager holds one to compile them."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self._tokenizer_args = (hf_tokenizer, vocab_size, eos_token_ids)
-        self._ll_tokenizer = None
+    def __init__(self, build: Callable[[], StructuredOutputBackend]) -> None:
+        self._build = build
+        self._backend: StructuredOutputBackend | None = None
         self._lock = threading.Lock()
 
-    def validate(self, params: StructuredOutputsParams) -> None:
+    def get(self) -> StructuredOutputBackend:
         with self._lock:
-            if self._ll_tokenizer is None:
-                self._ll_tokenizer = GuidanceBackend.tokenizer_view(*self._tokenizer_args)
-        GuidanceBackend.validate(params, self._ll_tokenizer)
+            if self._backend is None:
+                self._backend = self._build()
+            return self._backend
 
 
 class StructuredOutputManager:
@@ -52,21 +53,16 @@ class StructuredOutputManager:
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self._executor = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="pagellm-grammar")
-        self._backend: GuidanceBackend | None = None
-        self._backend_lock = threading.Lock()
+        self._backend = LazyBackend(self._build_backend)
         self._cache: OrderedDict[str, Future[StructuredOutputGrammar]] = OrderedDict()
 
-    def _get_backend(self) -> GuidanceBackend:
-        with self._backend_lock:  # two first compilations at once build it once
-            if self._backend is None:
-                config = self.model_config
-                tokenizer = get_tokenizer(config.tokenizer)
-                eos = get_eos_token_ids(config.model, config.hf_config, tokenizer)
-                self._backend = GuidanceBackend(tokenizer, self.vocab_size, eos)
-            return self._backend
+    def _build_backend(self) -> GuidanceBackend:
+        config = self.model_config
+        tokenizer = get_tokenizer(config.tokenizer)
+        return GuidanceBackend(tokenizer, self.vocab_size, get_eos_token_ids(config.model, config.hf_config, tokenizer))
 
     def _compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
-        return self._get_backend().compile_grammar(params)
+        return self._backend.get().compile_grammar(params)
 
     def grammar_init(self, request: StructuredOutputRequest) -> None:
         """Start compiling the request's grammar (or share the cached compilation of the same text)."""

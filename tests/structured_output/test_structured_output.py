@@ -18,7 +18,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.model_executor.layers.logits_processors import mask_disallowed, unpack_disallowed
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
-from pagellm.structured_output.manager import StructuredOutputManager
+from pagellm.structured_output.manager import LazyBackend, StructuredOutputManager
 from pagellm.worker.input_batch import InputBatch
 
 VOCAB = 49152
@@ -88,7 +88,7 @@ class SlowManager(StructuredOutputManager):
 
     def __init__(self, model_config, backend) -> None:
         super().__init__(model_config)
-        self._backend = backend
+        self._backend = LazyBackend(lambda: backend)
         self.release = threading.Event()
 
     def _compile(self, params):
