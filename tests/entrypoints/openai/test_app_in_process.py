@@ -27,7 +27,8 @@ def engine(model_dir) -> LLMEngine:
 
 
 def app_client(engine: LLMEngine, **config) -> TestClient:
-    return TestClient(build_app(AsyncLLM.from_engine(engine, log_stats=False), ServerConfig(served_model_names=["tiny"], **config)))
+    return TestClient(build_app(AsyncLLM.from_engine(engine, log_stats=False),
+                                ServerConfig(served_model_names=["tiny"], **config)))
 
 
 @pytest.mark.parametrize("as_file", [True, False])

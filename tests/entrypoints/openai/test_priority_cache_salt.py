@@ -109,7 +109,8 @@ def engine_with(model_dir, **engine_args) -> LLMEngine:
 
 
 def app_client(engine: LLMEngine) -> TestClient:
-    return TestClient(build_app(AsyncLLM.from_engine(engine, log_stats=False), ServerConfig(served_model_names=[MODEL_NAME])))
+    return TestClient(build_app(AsyncLLM.from_engine(engine, log_stats=False),
+                                ServerConfig(served_model_names=[MODEL_NAME])))
 
 
 @pytest.fixture(scope="module")
