@@ -27,7 +27,7 @@ from pagellm.engine.core_loop import StateCallback
 from pagellm.engine.core_output import CoreUpdate
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.process_utils import die_with_parent
+from pagellm.process_utils import die_with_parent, kill_processes
 
 logger = init_logger(__name__)
 
@@ -48,7 +48,7 @@ class EngineReplica:
                                                     args=(config, max_waiting_requests, child_end))
         self.process.start()
         child_end.close()
-        self._finalizer = weakref.finalize(self, _kill, self.process)
+        self._finalizer = weakref.finalize(self, kill_processes, [self.process])
         self._send_lock = threading.Lock()
         self._closing = False
         self._num_blocks = 0
@@ -129,12 +129,6 @@ class EngineReplica:
     def _exit(self) -> str:
         self.process.join(_POLL_SECONDS)
         return f"pid {self.process.pid}, exit code {self.process.exitcode}"
-
-
-def _kill(process: BaseProcess) -> None:
-    if process.is_alive():
-        process.kill()
-    process.join()
 
 
 def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, conn: Connection) -> None:

@@ -30,7 +30,7 @@ from pagellm.core.sched_output import SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
-from pagellm.process_utils import die_with_parent
+from pagellm.process_utils import die_with_parent, kill_processes
 from pagellm.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -61,7 +61,7 @@ class MultiprocExecutor(Executor):
             child_end.close()
             self.workers.append(_WorkerProcess(rank, process, parent_end))
         # An executor dropped without shutdown() (an LLM going out of scope) still stops its processes.
-        self._finalizer = weakref.finalize(self, _kill, [worker.process for worker in self.workers])
+        self._finalizer = weakref.finalize(self, kill_processes, [worker.process for worker in self.workers])
         threading.Thread(target=_monitor, args=(weakref.ref(self), self.workers), name="pagellm-worker-monitor",
                          daemon=True).start()
         self._start_workers()
@@ -137,13 +137,6 @@ def _monitor(executor_ref: weakref.ref, workers: list[_WorkerProcess]) -> None:
     executor = executor_ref()
     if executor is not None and not executor._closing:
         executor._fail(_exit_message(sentinels[ready[0]]))
-
-
-def _kill(processes: list[BaseProcess]) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-        process.join()
 
 
 def _exit_message(worker: _WorkerProcess) -> str:
