@@ -165,12 +165,17 @@ class AsyncLLM:
         """Each engine's (data-parallel replica's) latest snapshot, by engine index."""
         return list(self._replica_stats)
 
+    def check_engine_index(self, engine_index: int) -> int:
+        """`engine_index` if it names one of the engines (data-parallel replicas), else InvalidRequestError."""
+        if not 0 <= engine_index < self.client.num_engines:
+            raise InvalidRequestError(f"engine must be between 0 and {self.client.num_engines - 1}, the engine "
+                                      f"replicas (--data-parallel-size); got {engine_index}.")
+        return engine_index
+
     async def get_engine_state(self, engine_index: int = 0) -> dict:
         """A JSON-able snapshot of one engine's queues and KV block pools (see core/state_snapshot.py), taken by its
         loop between two steps: the scheduler and the block pools are not thread-safe."""
-        if not 0 <= engine_index < self.client.num_engines:
-            raise InvalidRequestError(f"engine must be between 0 and {self.client.num_engines - 1} (the data-parallel "
-                                      f"replicas), got {engine_index}.")
+        self.check_engine_index(engine_index)
         if self._stopped_reason is not None:
             raise EngineDeadError(self._stopped_reason)
         loop = asyncio.get_running_loop()

@@ -18,7 +18,6 @@ from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.exceptions import InvalidRequestError
 from pagellm.entrypoints.openai.protocol import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from pagellm.entrypoints.web.engine_state import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, MIN_INTERVAL_S, EngineStateFeed
 from pagellm.metrics.history import StatsHistory
@@ -55,20 +54,15 @@ def add_web_routes(app: FastAPI, engine: AsyncLLM, history: StatsHistory, api_ke
 
     @app.get("/v1/engine/state", include_in_schema=False)
     async def engine_state(engine: int = _ENGINE) -> dict:
-        return await feed.payload(engine_index=_check_engine(engine))
+        return await feed.payload(engine_index=engine)
 
     @app.get("/v1/engine/state/stream", include_in_schema=False)
     async def engine_state_stream(
             interval: float = Query(DEFAULT_INTERVAL_S, ge=MIN_INTERVAL_S, le=MAX_INTERVAL_S,
                                     description="seconds between events"),
             engine: int = _ENGINE) -> StreamingResponse:
-        return StreamingResponse(feed.stream(interval, _check_engine(engine)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
-    def _check_engine(engine_index: int) -> int:
-        if engine_index >= engine.client.num_engines:
-            raise InvalidRequestError(f"engine must be below {engine.client.num_engines}, the number of engine "
-                                      f"replicas (--data-parallel-size); got {engine_index}.")
-        return engine_index
+        # Checked before the response starts, so a bad index is a 400 rather than an error event.
+        return StreamingResponse(feed.stream(interval, feed.engine.check_engine_index(engine)),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
