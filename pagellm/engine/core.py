@@ -72,10 +72,12 @@ class EngineCore:
         if len(self._in_flight) < stages:
             # A batch per stage: split the requests so that each stage has one to work on.
             output = self.scheduler.schedule(-(-self.scheduler.num_unfinished // stages) if stages > 1 else None)
+            # Before submitting: an in-process executor runs the whole step inside submit_model, and the
+            # worker times that itself (prepare_inputs, forward, sample).
+            self.step_timings.add({"schedule": time.perf_counter() - start})
             if not output.is_empty:
                 self.executor.submit_model(output)
                 self._in_flight.append(output)
-            self.step_timings.add({"schedule": time.perf_counter() - start})
             if not output.is_empty and len(self._in_flight) < stages:
                 return EngineCoreOutputs()
         if not self._in_flight:

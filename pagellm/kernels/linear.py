@@ -1,7 +1,9 @@
 """y = x W^T on the CPU with W kept packed in its GGUF storage type: the C kernel (`linear_cpu.c`, built on first
 use by `kernels.build`) and its Python callers. Also dequantizes whole matrices or selected rows (embeddings).
 
-Packed weights are uint8 tensors [rows, bytes per row], each row a run of ggml blocks, exactly as in the file.
+Packed weights arrive as uint8 tensors [rows, bytes per row], each row a run of ggml blocks, exactly as in the
+file. `PackedMatmul` rewrites block types once into the kernel's interleaved layout (rows in groups of four, the
+same bytes in another order: see ggml_blocks.h), so everything that reads the weight afterwards goes through it.
 """
 from __future__ import annotations
 
@@ -22,18 +24,21 @@ _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 T = GGMLQuantizationType
-# Storage types the kernel multiplies with directly.
-SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+# Storage types the kernel multiplies with directly; those made of 32-weight blocks are stored interleaved.
+BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16}) | BLOCK_TYPES
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     library = load_library(_SOURCE, _FLAGS, "packed-weight linear layers")
     if library is not None:
-        library.pagellm_dequantize_rows.argtypes = [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _INT]
+        library.pagellm_dequantize_rows.argtypes = [_PTR, _PTR, _I64, _PTR, _INT]
         library.pagellm_matmul.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _INT]
+        library.pagellm_interleave.argtypes = [_INT, _PTR, _I64, _I64, _PTR]
         library.pagellm_dequantize_rows.restype = ctypes.c_int
         library.pagellm_matmul.restype = ctypes.c_int
+        library.pagellm_interleave.restype = _I64
     return library
 
 
@@ -64,23 +69,32 @@ def _check(status: int, what: str) -> None:
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("use_avx2", ctypes.c_int32), ("w", _PTR), ("row_bytes", _I64),
-                ("n", _I64), ("k", _I64)]
+                ("n", _I64), ("k", _I64), ("grouped_rows", _I64)]
 
 
 class PackedMatmul:
     """x -> x W^T for one packed weight, described to the kernel once so each call passes six arguments; the
-    decode step calls it about a hundred times, so its Python cost is kept to a few microseconds."""
+    decode step calls it about a hundred times, so its Python cost is kept to a few microseconds. Block types are
+    rewritten into the interleaved layout here: `weight` is then the only copy, and `dequantize` /
+    `dequantize_rows` read it."""
 
-    __slots__ = ("weight", "in_features", "out_features", "_matrix", "pointer", "_run")
+    __slots__ = ("weight", "qtype", "in_features", "out_features", "_matrix", "pointer", "_run")
 
     def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int) -> None:
         if qweight.shape[1] != row_bytes(qtype, in_features):
             raise ValueError(f"packed rows of {qweight.shape[1]} bytes do not hold {in_features} "
                              f"{GGMLQuantizationType(qtype).name} values")
+        grouped_rows = 0
+        if qtype in BLOCK_TYPES:
+            plain = qweight.contiguous()
+            qweight = torch.empty_like(plain)
+            grouped_rows = load().pagellm_interleave(int(qtype), plain.data_ptr(), plain.shape[0], plain.shape[1],
+                                                     qweight.data_ptr())
         self.weight = qweight  # keeps the memory the kernel reads alive
+        self.qtype = int(qtype)
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self._matrix = _Matrix(int(qtype), int(use_avx2()), qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
-                               in_features)
+                               in_features, grouped_rows)
         self.pointer = ctypes.addressof(self._matrix)  # what the fused decoder (kernels.decoder) passes to C
         self._run = load().pagellm_matmul
 
@@ -97,17 +111,14 @@ class PackedMatmul:
             _check(status, "matmul")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [*ids.shape, in_features] (an embedding lookup), exactly as ggml dequantizes."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.shape[0], self.in_features, dtype=torch.float32)
+        _check(load().pagellm_dequantize_rows(self.pointer, flat.data_ptr(), flat.shape[0], out.data_ptr(),
+                                              torch.get_num_threads()), "dequantize")
+        return out.view(*ids.shape, self.in_features)
 
-def dequantize_rows(qweight: torch.Tensor, qtype: int, ids: torch.Tensor, columns: int) -> torch.Tensor:
-    """Rows `ids` of the packed matrix as float32 [*ids.shape, columns] (an embedding lookup)."""
-    flat = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(flat.shape[0], columns, dtype=torch.float32)
-    _check(load().pagellm_dequantize_rows(int(qtype), qweight.data_ptr(), qweight.shape[1], flat.data_ptr(),
-                                          flat.shape[0], columns, out.data_ptr(), torch.get_num_threads(),
-                                          use_avx2()), "dequantize")
-    return out.view(*ids.shape, columns)
-
-
-def dequantize(qweight: torch.Tensor, qtype: int, columns: int) -> torch.Tensor:
-    """The whole packed matrix as float32 [rows, columns]."""
-    return dequantize_rows(qweight, qtype, torch.arange(qweight.shape[0]), columns)
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix as float32 [out_features, in_features]."""
+        return self.dequantize_rows(torch.arange(self.out_features))

@@ -70,10 +70,11 @@ def test_dequantize_rows_is_exact(isa, qtype):
     packed = encode(weight, qtype)
     _, dequantized = reference(np.zeros((1, 96), np.float32), packed, qtype, 96)
     ids = torch.tensor([[5, 0], [22, 5]])
-    got = kernels.dequantize_rows(torch.from_numpy(packed), qtype, ids, 96)
+    matmul = kernels.PackedMatmul(torch.from_numpy(packed), qtype, 96)  # block types: rows interleaved by four
+    got = matmul.dequantize_rows(ids)
     assert got.shape == (2, 2, 96)
     np.testing.assert_array_equal(got.numpy(), dequantized[ids.numpy()])
-    np.testing.assert_array_equal(kernels.dequantize(torch.from_numpy(packed), qtype, 96).numpy(), dequantized)
+    np.testing.assert_array_equal(matmul.dequantize().numpy(), dequantized)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])
@@ -97,7 +98,8 @@ def test_quantized_types_extreme_scales(isa):
     blocks[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
     packed = blocks.reshape(4, -1)
     _, dequantized = reference(np.zeros((1, 64), np.float32), packed, QT.Q4_1, 64)
-    np.testing.assert_array_equal(kernels.dequantize(torch.from_numpy(packed), QT.Q4_1, 64).numpy(), dequantized)
+    np.testing.assert_array_equal(kernels.PackedMatmul(torch.from_numpy(packed), QT.Q4_1, 64).dequantize().numpy(),
+                                  dequantized)
 
 
 def test_row_width_must_be_whole_blocks():

@@ -3,12 +3,12 @@ across the tensor-parallel ranks (vLLM's layouts, Megatron's split: column-paral
 with no communication between them, and each row-parallel output is summed over the ranks once).
 
 Fusing q/k/v and gate/up into one matmul each halves the number of kernel launches per layer; a fused layer is
-loaded shard by shard and stored once all its shards are in. A packed weight (`qweight`: uint8 rows of ggml
-blocks of type `qweight_type`) is multiplied by the C kernel (`kernels.linear`), which dequantizes in registers,
-for up to KERNEL_MAX_ROWS activation rows; longer inputs (prefill) dequantize it into a float32 matrix for
-PyTorch's GEMM, where the arithmetic dwarfs the conversion. Float32 weights on the CPU also go through the kernel
-for up to KERNEL_MAX_ROWS rows: PyTorch's GEMV runs far below the memory bandwidth, and at decode batch sizes
-its GEMM trails the kernel too (measured: 132 vs 73 ms for SmolLM2's layers at 32 rows).
+loaded shard by shard and stored once all its shards are in. A packed weight (`qweight`: ggml blocks of type
+`qweight_type`, in the kernel's interleaved layout) is multiplied by the C kernel (`kernels.linear`), which
+dequantizes in registers, for up to KERNEL_MAX_ROWS activation rows; longer inputs (prefill) dequantize it into a
+float32 matrix for PyTorch's GEMM, where the arithmetic dwarfs the conversion. Float32 weights on the CPU also go
+through the kernel for up to KERNEL_MAX_ROWS rows: PyTorch's GEMV runs far below the memory bandwidth, and at
+decode batch sizes its GEMM trails the kernel too (measured: 132 vs 73 ms for SmolLM2's layers at 32 rows).
 
 Sizes given to the parallel layers are the checkpoint's (whole model); `input_size` / `output_size` on every
 layer are this rank's. With one rank every split is the whole matrix and nothing is communicated.
@@ -56,7 +56,7 @@ class Linear(nn.Module):
             if self.qweight_type is not None:
                 if rows <= KERNEL_MAX_ROWS:
                     return self.kernel(x)
-                return nn.functional.linear(x, kernels.dequantize(self.qweight, self.qweight_type, self.input_size))
+                return nn.functional.linear(x, self.kernel.dequantize())
             if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32:
                 return self.kernel(x)
         return nn.functional.linear(x, self.weight)
@@ -74,9 +74,9 @@ class Linear(nn.Module):
             packed = quantize_q8_0(loaded)
         if packed is not None and quantization != "none" and _kernel_can_pack(packed.qtype, self.weight):
             del self.weight
-            self.register_buffer("qweight", packed.data.contiguous(), persistent=False)
+            self.kernel = kernels.PackedMatmul(packed.data, packed.qtype, self.input_size)
+            self.register_buffer("qweight", self.kernel.weight, persistent=False)  # in the kernel's layout
             self.qweight_type = int(packed.qtype)
-            self.kernel = kernels.PackedMatmul(self.qweight, self.qweight_type, self.input_size)
             return
         self.weight.data.copy_(packed.dequantize() if packed is not None else loaded)
         if _kernel_can_pack(kernels.T.F32, self.weight) and self.input_size % 32 == 0:

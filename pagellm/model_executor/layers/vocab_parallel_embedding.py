@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from pagellm.distributed.parallel_state import GroupCoordinator, get_tp_group
-from pagellm.kernels import linear as kernels
 from pagellm.model_executor.layers.linear import Linear
 from pagellm.model_executor.layers.sharding import Weight, check_shape, narrow_rows
 
@@ -45,7 +44,7 @@ class VocabParallelEmbedding(Linear):
 
     def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight_type is not None:
-            return kernels.dequantize_rows(self.qweight, self.qweight_type, local_ids, self.input_size)
+            return self.kernel.dequantize_rows(local_ids)
         return nn.functional.embedding(local_ids, self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,160 @@
+/* ggml's storage types as the packed-weight kernel (linear_cpu.c) reads them: type ids, block layouts, where a
+ * block's fields lie, and decoding a block, bit for bit as ggml dequantizes (scalar, and AVX2+FMA+F16C under a
+ * target attribute, chosen at run time).
+ *
+ * A block holds 32 weights: a float16 scale d, a float16 minimum m (Q4_1, Q5_1), a 32-bit word of fifth bits qh
+ * (Q5_0, Q5_1), then the quants qs (16 bytes of nibbles, or 32 int8 for Q8_0).
+ *
+ * Two layouts of a matrix, both rows x row_bytes bytes in all:
+ * - plain: each row a run of blocks, exactly as in the GGUF file;
+ * - interleaved (`pagellm_interleave`): rows [0, grouped_rows) go in groups of four, and for each block index a
+ *   group stores its four blocks field by field: the four d, the four m, the four qh, then the four runs of qs.
+ *   One 8- or 16-byte load then gives the scales of four rows, and the batch-1 kernel streams one sequence of
+ *   bytes instead of four rows. Rows from grouped_rows on (n % 4 of them) stay plain, at r * row_bytes.
+ */
+#ifndef PAGELLM_GGML_BLOCKS_H
+#define PAGELLM_GGML_BLOCKS_H
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
+
+/* ggml's type ids (GGMLQuantizationType). */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_BF16 = 30 };
+
+static inline int is_block_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
+static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+static inline int has_min(int t) { return t == T_Q4_1 || t == T_Q5_1; }
+static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
+static inline int quant_bytes(int t) { return t == T_Q8_0 ? 32 : 16; }
+static inline int64_t block_bytes(int t) { return 2 + 2 * has_min(t) + 4 * five_bit(t) + quant_bytes(t); }
+static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; } /* float types */
+
+static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* Where one block's fields are; for float types every field points at its 32 values. */
+typedef struct {
+    const uint8_t *d, *m, *qh, *qs;
+} block_ref;
+
+/* Block i (0..3) of an interleaved group's run for one block index, starting at `group`. */
+static inline block_ref group_block(int type, const uint8_t *group, int i) {
+    const int hm = has_min(type), fb = five_bit(type);
+    block_ref ref = {group + 2 * i, group + 8 + 2 * i, group + 8 + 8 * hm + 4 * i,
+                     group + 8 + 8 * hm + 16 * fb + quant_bytes(type) * i};
+    return ref;
+}
+
+/* Block b of row r of a matrix in either layout (grouped_rows = 0: plain). */
+static inline block_ref block_at(int type, const uint8_t *w, int64_t row_bytes, int64_t grouped_rows, int64_t r,
+                                 int64_t b) {
+    if (is_float_type(type)) {
+        const uint8_t *values = w + r * row_bytes + b * 32 * element_bytes(type);
+        block_ref ref = {values, values, values, values};
+        return ref;
+    }
+    if (r < grouped_rows)
+        return group_block(type, w + (r & ~(int64_t)3) * row_bytes + b * 4 * block_bytes(type), (int)(r & 3));
+    const uint8_t *blk = w + r * row_bytes + b * block_bytes(type);
+    const int hm = has_min(type), fb = five_bit(type);
+    block_ref ref = {blk, blk + 2, blk + 2 + 2 * hm, blk + 2 + 2 * hm + 4 * fb};
+    return ref;
+}
+
+/* ---- portable scalar decoding -------------------------------------------------------------------------- */
+
+static inline float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13); /* inf / nan */
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 0x400)) { mantissa <<= 1; exponent--; }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A block of a block type as 32 floats, ggml's arithmetic (d * q + m rounded twice: built with -ffp-contract=off). */
+static void dequant_block_scalar(int type, block_ref ref, float *dst) {
+    const float d = fp16_to_fp32(load_u16(ref.d)), m = has_min(type) ? fp16_to_fp32(load_u16(ref.m)) : 0.0f;
+    const uint8_t *qs = ref.qs;
+    if (type == T_Q8_0) {
+        for (int j = 0; j < 32; j++) dst[j] = (float)(int8_t)qs[j] * d;
+        return;
+    }
+    const uint32_t qh = five_bit(type) ? load_u32(ref.qh) : 0;
+    for (int j = 0; j < 16; j++) {
+        int lo = qs[j] & 0x0f, hi = qs[j] >> 4;
+        if (five_bit(type)) {
+            lo |= (int)(((qh >> j) & 1) << 4);
+            hi |= (int)(((qh >> (j + 16)) & 1) << 4);
+        }
+        if (has_min(type)) {
+            dst[j] = d * (float)lo + m;
+            dst[j + 16] = d * (float)hi + m;
+        } else {
+            const int offset = five_bit(type) ? 16 : 8;
+            dst[j] = d * (float)(lo - offset);
+            dst[j + 16] = d * (float)(hi - offset);
+        }
+    }
+}
+
+/* ---- AVX2 + FMA + F16C ------------------------------------------------------------------------------ */
+#if HAVE_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline float half_avx2(const uint8_t *p) { return _cvtsh_ss(load_u16(p)); }
+
+/* 8 bytes at the low half of v as 8 floats, signed or unsigned. */
+AVX2 static inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* The block's integer levels as four vectors of 8 floats (elements 0..31 in order), with ggml's offset (q - 8 for
+ * Q4_0, q - 16 for Q5_0); the scales are read apart. Two loads of 8 bytes widened to int32 lanes give elements
+ * 0..7 and 8..15 (low nibbles) and 16..23 and 24..31 (high nibbles) with one AND or shift each. */
+AVX2 static inline __attribute__((always_inline)) void block_levels(const int type, block_ref ref, __m256 f[4]) {
+    if (type == T_Q8_0) {
+        for (int p = 0; p < 4; p++) f[p] = i8_to_ps(_mm_loadl_epi64((const __m128i *)(ref.qs + 8 * p)));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ref.qs));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ref.qs + 8)));
+    __m256i q[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_srli_epi32(a, 4), _mm256_srli_epi32(b, 4)};
+    if (five_bit(type)) { /* bit e of qh is the fifth bit of element e */
+        const __m256i qh = _mm256_set1_epi32((int)load_u32(ref.qh));
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+        for (int p = 0; p < 4; p++) {
+            const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * p))), one);
+            q[p] = _mm256_or_si256(q[p], _mm256_slli_epi32(bit, 4));
+        }
+    }
+    const __m256i offset = _mm256_set1_epi32(five_bit(type) ? 16 : 8);
+    for (int p = 0; p < 4; p++) f[p] = _mm256_cvtepi32_ps(has_min(type) ? q[p] : _mm256_sub_epi32(q[p], offset));
+}
+
+/* A block of a block type as 32 floats, bit-identical to dequant_block_scalar. */
+AVX2 static inline void dequant_block_avx2(int type, block_ref ref, float *dst) {
+    __m256 f[4];
+    block_levels(type, ref, f);
+    const __m256 d = _mm256_set1_ps(half_avx2(ref.d));
+    const __m256 m = _mm256_set1_ps(has_min(type) ? half_avx2(ref.m) : 0.0f);
+    for (int p = 0; p < 4; p++) /* ggml: d * q (+ m); Q8_0: q * d */
+        _mm256_storeu_ps(dst + 8 * p, has_min(type) ? _mm256_add_ps(_mm256_mul_ps(d, f[p]), m) : _mm256_mul_ps(f[p], d));
+}
+#endif
+#endif
