@@ -5,7 +5,10 @@
  * A block holds 32 weights: a float16 scale d, a float16 minimum m (Q4_1, Q5_1), a 32-bit word of fifth bits qh
  * (Q5_0, Q5_1), then the quants qs (16 bytes of nibbles, or 32 int8 for Q8_0).
  *
- * Two layouts of a matrix, both rows x row_bytes bytes in all:
+ * K-quants (Q4_K, Q6_K) hold 256 weights per super-block, in sub-blocks of 32 (Q4_K: a 6-bit scale and minimum
+ * each, times the super-block's d and dmin) or 16 (Q6_K: an int8 scale each, times d); they are read plain.
+ *
+ * Two layouts of a matrix of 32-weight blocks, both rows x row_bytes bytes in all:
  * - plain: each row a run of blocks, exactly as in the GGUF file;
  * - interleaved (`pagellm_interleave`): rows [0, grouped_rows) go in groups of four, and for each block index a
  *   group stores its four blocks field by field: the four d, the four m, the four qh, then the four runs of qs.
@@ -25,7 +28,8 @@
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14,
+       T_BF16 = 30 };
 
 static inline int is_block_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
@@ -34,6 +38,8 @@ static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
 static inline int quant_bytes(int t) { return t == T_Q8_0 ? 32 : 16; }
 static inline int64_t block_bytes(int t) { return 2 + 2 * has_min(t) + 4 * five_bit(t) + quant_bytes(t); }
 static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; } /* float types */
+static inline int is_k_type(int t) { return t == T_Q4_K || t == T_Q6_K; }
+static inline int64_t super_block_bytes(int t) { return t == T_Q4_K ? 144 : 210; } /* K types, 256 weights */
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -114,6 +120,43 @@ static void dequant_block_scalar(int type, block_ref ref, float *dst) {
     }
 }
 
+/* Q4_K: scale and minimum (6 bits each) of sub-block j (0..7) from the super-block's 12 packed bytes. */
+static inline void q4k_scale_min(const uint8_t *scales, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = scales[j] & 63;
+        *m = scales[j + 4] & 63;
+    } else {
+        *sc = (scales[j + 4] & 0x0f) | ((scales[j - 4] >> 6) << 4);
+        *m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+    }
+}
+
+/* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32). */
+static void dequant_super_block_scalar(int type, const uint8_t *sb, float *dst) {
+    if (type == T_Q4_K) {
+        const float d = fp16_to_fp32(load_u16(sb)), dmin = fp16_to_fp32(load_u16(sb + 2));
+        const uint8_t *qs = sb + 16;
+        for (int j = 0; j < 8; j++) { /* sub-blocks 2c and 2c + 1 share 32 bytes: low, then high nibbles */
+            int sc, m;
+            q4k_scale_min(sb + 4, j, &sc, &m);
+            const float d1 = d * (float)sc, m1 = dmin * (float)m;
+            const uint8_t *q = qs + 32 * (j / 2);
+            for (int l = 0; l < 32; l++) dst[32 * j + l] = d1 * (float)((j & 1) ? q[l] >> 4 : q[l] & 0x0f) - m1;
+        }
+        return;
+    }
+    const uint8_t *ql = sb, *qh = sb + 128;
+    const int8_t *scales = (const int8_t *)(sb + 192);
+    const float d = fp16_to_fp32(load_u16(sb + 208));
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, scales += 8, dst += 128)
+        for (int t = 0; t < 4; t++) /* 32 weights: low or high nibbles of ql, bits 2t, 2t + 1 of qh */
+            for (int l = 0; l < 32; l++) {
+                const int low = (t < 2 ? ql[l + 32 * t] & 0x0f : ql[l + 32 * (t - 2)] >> 4);
+                const int q = (low | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
+                dst[32 * t + l] = d * (float)scales[2 * t + l / 16] * (float)q;
+            }
+}
+
 /* ---- AVX2 + FMA + F16C ------------------------------------------------------------------------------ */
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -145,6 +188,52 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
     }
     const __m256i offset = _mm256_set1_epi32(five_bit(type) ? 16 : 8);
     for (int p = 0; p < 4; p++) f[p] = _mm256_cvtepi32_ps(has_min(type) ? q[p] : _mm256_sub_epi32(q[p], offset));
+}
+
+/* Q4_K sub-block j's 32 levels: the low (j even) or high (j odd) nibbles of its 32 bytes q. */
+AVX2 static inline __attribute__((always_inline)) void q4k_levels(const uint8_t *q, int high, __m256 f[4]) {
+    for (int p = 0; p < 4; p++) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * p)));
+        f[p] = _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+    }
+}
+
+/* Q6_K: the 32 levels (q - 32) of quarter t (0..3) of a half super-block (ql: its 64 bytes, qh: its 32). */
+AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t *ql, const uint8_t *qh, int t,
+                                                                  __m256 f[4]) {
+    for (int p = 0; p < 4; p++) {
+        const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 * (t & 1) + 8 * p)));
+        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * p)));
+        const __m256i low = t < 2 ? _mm256_and_si256(l, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(l, 4);
+        const __m256i high = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * t), _mm256_set1_epi32(3)), 4);
+        f[p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(low, high), _mm256_set1_epi32(32)));
+    }
+}
+
+/* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */
+AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, float *dst) {
+    __m256 f[4];
+    if (type == T_Q4_K) {
+        const float d = half_avx2(sb), dmin = half_avx2(sb + 2);
+        for (int j = 0; j < 8; j++, dst += 32) {
+            int sc, m;
+            q4k_scale_min(sb + 4, j, &sc, &m);
+            const __m256 d1 = _mm256_set1_ps(d * (float)sc), m1 = _mm256_set1_ps(dmin * (float)m);
+            q4k_levels(sb + 16 + 32 * (j / 2), j & 1, f);
+            for (int p = 0; p < 4; p++) _mm256_storeu_ps(dst + 8 * p, _mm256_sub_ps(_mm256_mul_ps(d1, f[p]), m1));
+        }
+        return;
+    }
+    const float d = half_avx2(sb + 208);
+    const int8_t *scales = (const int8_t *)(sb + 192);
+    for (int half = 0; half < 2; half++)
+        for (int t = 0; t < 4; t++, dst += 32) {
+            q6k_levels(sb + 64 * half, sb + 128 + 32 * half, t, f);
+            for (int p = 0; p < 4; p++) {
+                const __m256 scale = _mm256_set1_ps(d * (float)scales[8 * half + 2 * t + p / 2]);
+                _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(scale, f[p]));
+            }
+        }
 }
 
 /* A block of a block type as 32 floats, bit-identical to dequant_block_scalar. */

@@ -1,4 +1,5 @@
-/* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+/* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+ * Q6_K.
  *
  * Arithmetic: activations stay float32 (never quantized, unlike llama.cpp) and every product is accumulated in
  * float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float weights bit for
@@ -48,6 +49,10 @@ static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, float *dst) {
         }
         return;
     }
+    if (is_k_type(w->type)) {
+        for (int64_t s = 0; s < w->k / 256; s++) dequant_super_block_scalar(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
+        return;
+    }
     for (int64_t b = 0; b < w->k / 32; b++)
         dequant_block_scalar(w->type, block_at(w->type, w->w, w->row_bytes, w->grouped_rows, r, b), dst + 32 * b);
 }
@@ -73,6 +78,11 @@ AVX2 static void dequant_row_avx2(const pagellm_matrix *w, int64_t r, float *dst
         for (; i + 8 <= w->k; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
         for (; i < w->k; i++) dst[i] = fp16_to_fp32(load_u16(src + 2 * i));
+        return;
+    }
+    if (is_k_type(w->type)) {
+        const uint8_t *src = w->w + r * w->row_bytes;
+        for (int64_t s = 0; s < w->k / 256; s++) dequant_super_block_avx2(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
         return;
     }
     if (!is_block_type(w->type)) {
@@ -232,9 +242,72 @@ AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type
     }
 }
 
+/* K-quant rows [r0, r1) for m activation rows, one row at a time: each sub-block's products regrouped around its
+ * scale (and minimum), as for the 32-weight types. */
+AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, const int m, const pagellm_matrix *w,
+                                                              int64_t r0, int64_t r1, const float *x, int64_t ldx,
+                                                              const float *xsum, float *out, int64_t ldo) {
+    const int64_t supers = w->k / 256, blocks = w->k / 32;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *sb = w->w + r * w->row_bytes;
+        __m256 acc[FUSED_MAX_M];
+        float min_acc[FUSED_MAX_M];
+        for (int a = 0; a < m; a++) {
+            acc[a] = _mm256_setzero_ps();
+            min_acc[a] = 0.0f;
+        }
+        for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
+            __m256 f[4];
+            if (type == T_Q4_K) {
+                const float d = half_avx2(sb), dmin = half_avx2(sb + 2);
+                for (int j = 0; j < 8; j++) {
+                    int sc, mn;
+                    q4k_scale_min(sb + 4, j, &sc, &mn);
+                    const __m256 d1 = _mm256_set1_ps(d * (float)sc);
+                    const float m1 = dmin * (float)mn;
+                    q4k_levels(sb + 16 + 32 * (j / 2), j & 1, f);
+                    for (int a = 0; a < m; a++) {
+                        const float *xb = x + a * ldx + 256 * s + 32 * j;
+                        __m256 v = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+                        v = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), v);
+                        v = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), v);
+                        v = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), v);
+                        acc[a] = _mm256_fmadd_ps(v, d1, acc[a]);
+                        min_acc[a] += m1 * xsum[a * blocks + 8 * s + j];
+                    }
+                }
+                continue;
+            }
+            const float d = half_avx2(sb + 208);
+            const int8_t *scales = (const int8_t *)(sb + 192);
+            for (int half = 0; half < 2; half++)
+                for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16 */
+                    q6k_levels(sb + 64 * half, sb + 128 + 32 * half, t, f);
+                    const __m256 da = _mm256_set1_ps(d * (float)scales[8 * half + 2 * t]);
+                    const __m256 db = _mm256_set1_ps(d * (float)scales[8 * half + 2 * t + 1]);
+                    for (int a = 0; a < m; a++) {
+                        const float *xb = x + a * ldx + 256 * s + 128 * half + 32 * t;
+                        const __m256 va = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+                        const __m256 vb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                        acc[a] = _mm256_fmadd_ps(vb, db, _mm256_fmadd_ps(va, da, acc[a]));
+                    }
+                }
+        }
+        for (int a = 0; a < m; a++) out[a * ldo + r] = hsum(acc[a]) - min_acc[a];
+    }
+}
+
 AVX2 static inline __attribute__((always_inline)) void fused_typed(
     const int type, int64_t m, const pagellm_matrix *w, int64_t r0, int64_t r1, const float *x, int64_t ldx,
     const float *xsum, float *out, int64_t ldo) {
+    if (is_k_type(type)) {
+        switch (m) {
+        case 1: k_rows(type, 1, w, r0, r1, x, ldx, xsum, out, ldo); return;
+        case 2: k_rows(type, 2, w, r0, r1, x, ldx, xsum, out, ldo); return;
+        case 3: k_rows(type, 3, w, r0, r1, x, ldx, xsum, out, ldo); return;
+        default: k_rows(type, 4, w, r0, r1, x, ldx, xsum, out, ldo); return;
+        }
+    }
     if (is_block_type(type))
         for (; r0 + 4 <= r1 && r0 + 4 <= w->grouped_rows; r0 += 4) {
             const uint8_t *group = w->w + r0 * w->row_bytes;
@@ -266,6 +339,8 @@ AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int6
     case T_Q5_0: fused_typed(T_Q5_0, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
     case T_Q5_1: fused_typed(T_Q5_1, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
     case T_Q8_0: fused_typed(T_Q8_0, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
+    case T_Q4_K: fused_typed(T_Q4_K, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
+    case T_Q6_K: fused_typed(T_Q6_K, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
     }
 }
 
@@ -281,6 +356,8 @@ int pagellm_cpu_has_avx2(void) { return 0; }
 
 static int valid(const pagellm_matrix *w) {
     if (is_float_type(w->type)) return w->row_bytes >= w->k * element_bytes(w->type);
+    if (is_k_type(w->type))
+        return w->k % 256 == 0 && w->row_bytes == w->k / 256 * super_block_bytes(w->type) && w->grouped_rows == 0;
     return is_block_type(w->type) && w->k % 32 == 0 && w->row_bytes == w->k / 32 * block_bytes(w->type) &&
            w->grouped_rows % 4 == 0 && w->grouped_rows <= w->n;
 }

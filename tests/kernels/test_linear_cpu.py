@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from pagellm.kernels import linear as kernels
 
 TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
+K_TYPES = [QT.Q4_K, QT.Q6_K]  # 256 weights per super-block
 
 
 @pytest.fixture(params=["avx2", "scalar"])
@@ -33,9 +34,22 @@ def encode(weight: np.ndarray, qtype: QT) -> np.ndarray:
         stored = weight.astype(np.float16)
     elif qtype == QT.BF16:
         stored = (weight.view(np.uint32) >> 16).astype(np.uint16)
+    elif qtype in K_TYPES:
+        return random_k_quant(weight.shape, qtype, np.random.default_rng(weight.shape[0]))
     else:
         stored = gguf.quants.quantize(weight, qtype)
     return np.ascontiguousarray(stored).view(np.uint8).reshape(weight.shape[0], -1)
+
+
+def random_k_quant(shape: tuple[int, int], qtype: QT, rng: np.random.Generator) -> np.ndarray:
+    """A K-quant matrix of random bytes (every bit pattern is a valid block) with finite float16 scales: the gguf
+    package dequantizes K-quants but cannot quantize them."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(shape[0] * shape[1] // block_elems, block_bytes), dtype=np.uint8)
+    scale_offsets = [0, 2] if qtype == QT.Q4_K else [208]  # d (and dmin for Q4_K)
+    for offset in scale_offsets:
+        blocks[:, offset:offset + 2] = rng.uniform(-0.02, 0.02, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(shape[0], -1)
 
 
 def reference(x: np.ndarray, packed: np.ndarray, qtype: QT, columns: int) -> tuple[np.ndarray, np.ndarray]:
@@ -75,6 +89,19 @@ def test_dequantize_rows_is_exact(isa, qtype):
     assert got.shape == (2, 2, 96)
     np.testing.assert_array_equal(got.numpy(), dequantized[ids.numpy()])
     np.testing.assert_array_equal(matmul.dequantize().numpy(), dequantized)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 37, 256), (3, 5, 512), (4, 2, 256), (5, 19, 256),
+                                                             (17, 8, 512)])
+def test_k_quants_match_numpy(isa, qtype, rows, out_features, in_features):
+    rng = np.random.default_rng(rows)
+    packed = encode(np.zeros((out_features, in_features), np.float32), qtype)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    want, dequantized = reference(x, packed, qtype, in_features)
+    matmul = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)
+    assert_matmul_close(matmul(torch.from_numpy(x)).numpy(), x, dequantized, want)
+    np.testing.assert_array_equal(matmul.dequantize().numpy(), dequantized)  # bit for bit, as ggml
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])

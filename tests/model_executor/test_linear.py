@@ -38,10 +38,22 @@ def test_quantization_none_dequantizes_and_unsupported_types_fall_back():
     assert layer.qweight_type is None
     torch.testing.assert_close(layer.weight.data, packed(48, 96, QT.Q8_0).dequantize(), rtol=0, atol=0)
 
-    k_quant = PackedTensor(QT.Q6_K, torch.zeros(4, 210, dtype=torch.uint8), (4, 256))
+    q5_k = PackedTensor(QT.Q5_K, torch.zeros(4, 176, dtype=torch.uint8), (4, 256))
     layer = Linear(256, 4)
-    layer.load_weight(k_quant, "gguf")  # no kernel for K-quants: float32, exactly dequantized
-    assert layer.qweight_type is None and torch.equal(layer.weight.data, k_quant.dequantize())
+    layer.load_weight(q5_k, "gguf")  # no kernel for Q5_K: float32, exactly dequantized
+    assert layer.qweight_type is None and torch.equal(layer.weight.data, q5_k.dequantize())
+
+
+def test_k_quants_stay_packed():
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, size=(6 * 2, 210), dtype=np.uint8)
+    blocks[:, 208:210] = np.full((len(blocks), 1), 0.01, np.float16).view(np.uint8)  # finite scales
+    q6_k = PackedTensor(QT.Q6_K, torch.from_numpy(blocks.reshape(6, -1)), (6, 512))
+    layer = Linear(512, 6)
+    layer.load_weight(q6_k, "gguf")
+    assert layer.qweight_type == QT.Q6_K
+    x = torch.randn(2, 512)
+    torch.testing.assert_close(layer(x).double(), x.double() @ q6_k.dequantize().double().T, rtol=1e-5, atol=1e-5)
 
 
 def test_float32_small_batch_kernel_matches_torch():
