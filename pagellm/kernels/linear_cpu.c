@@ -6,13 +6,13 @@
  * bit (compiled with -ffp-contract=off, so `d * q + m` is rounded twice as there). The small-M path regroups each
  * block's products around its scales, d * sum(q x) + m * sum(x): the same sum up to float32 rounding.
  *
- * Work split: for up to FUSED_MAX_M activation rows each block is decoded in registers and multiplied at once,
- * streaming the packed weights once; at one row (batch-1 decode) rows go four at a time through the interleaved
- * layout (ggml_blocks.h), which kernels/linear.py gives every block-type weight when it is loaded. For more rows, output rows go in tiles of TILE_ROWS: each tile is
- * dequantized into a small float buffer that stays in L1/L2 and multiplied with every activation row by a
- * register-blocked micro-kernel (3 activation rows x 4 weight rows, 12 accumulators), so each dequantized tile
- * is reused M times; float32 weights are read in place. Rows are spread over OpenMP threads (the process's
- * libgomp: the same pool PyTorch uses).
+ * Work split: for up to FUSED_MAX_M activation rows each block is decoded in registers, once for all of them,
+ * streaming the packed weights once; 32-weight block types go four weight rows at a time through the interleaved
+ * layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded. For more rows, output rows go
+ * in tiles of TILE_ROWS: each tile is dequantized into a small float buffer that stays in L1/L2 and multiplied
+ * with every activation row by a register-blocked micro-kernel (3 activation rows x 4 weight rows, 12
+ * accumulators), so each dequantized tile is reused M times; float32 weights are read in place. Rows are spread
+ * over OpenMP threads (the process's libgomp: the same pool PyTorch uses).
  *
  * Each function has an AVX2+FMA+F16C version (target attribute) and a portable scalar version; the caller picks
  * with `use_avx2`, after asking pagellm_cpu_has_avx2().
@@ -50,7 +50,8 @@ static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, float *dst) {
         return;
     }
     if (is_k_type(w->type)) {
-        for (int64_t s = 0; s < w->k / 256; s++) dequant_super_block_scalar(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
+        for (int64_t s = 0; s < w->k / 256; s++)
+            dequant_super_block_scalar(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
         return;
     }
     for (int64_t b = 0; b < w->k / 32; b++)
@@ -82,7 +83,8 @@ AVX2 static void dequant_row_avx2(const pagellm_matrix *w, int64_t r, float *dst
     }
     if (is_k_type(w->type)) {
         const uint8_t *src = w->w + r * w->row_bytes;
-        for (int64_t s = 0; s < w->k / 256; s++) dequant_super_block_avx2(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
+        for (int64_t s = 0; s < w->k / 256; s++)
+            dequant_super_block_avx2(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
         return;
     }
     if (!is_block_type(w->type)) {
