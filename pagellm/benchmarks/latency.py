@@ -125,6 +125,13 @@ def _result(backend: str, prompts: list[list[int]], output_len: int, prefill: fl
                          weight_bytes)
 
 
+def f32_gguf(source: Path) -> Path:
+    """A float32 GGUF of `source`'s weights, written once into the cache directory: llama.cpp's float32 peer."""
+    from pagellm.envs import cache_root
+
+    return write_f32_gguf(source, cache_root() / "gguf" / f"{source.stem}.F32.gguf")
+
+
 def write_f32_gguf(source: Path, target: Path) -> Path:
     """The same model with every tensor dequantized to float32 (as `llama-quantize ... F32`), via `gguf`."""
     import gguf
@@ -156,7 +163,6 @@ def write_f32_gguf(source: Path, target: Path) -> Path:
 def run(args: argparse.Namespace) -> None:
     from pagellm import LLM
     from pagellm.engine.arg_utils import EngineArgs
-    from pagellm.envs import cache_root
 
     unknown = set(args.backends) - set(BACKENDS)
     if unknown:
@@ -186,7 +192,7 @@ def run(args: argparse.Namespace) -> None:
             if "llama.cpp" in args.backends:
                 results.append(bench_llama_cpp("llama.cpp", source, prompts[0], args.output_len, args.repeats))
             if "llama.cpp-f32" in args.backends:
-                f32 = write_f32_gguf(source, cache_root() / "gguf" / f"{source.stem}.F32.gguf")
+                f32 = f32_gguf(source)
                 results.append(bench_llama_cpp("llama.cpp F32", f32, prompts[0], args.output_len, args.repeats))
     flops_per_token = model_flops(model_config.hf_config, args.input_len, 1) / args.input_len
     print(f"\n{'backend':>16} {'batch':>5} {'prefill tok/s':>14} {'% of peak':>9} {'decode tok/s':>13} "

@@ -4,7 +4,7 @@ A separate process because llama.cpp's OpenMP threads would otherwise share PyTo
 spinning threads, which slowed llama.cpp by up to a third in our measurements. Imports nothing but
 `llama_cpp`. Prints one JSON object: in latency mode the best prefill and decode seconds over the repeats, as
 `llama-bench` measures them (the prompt in one batch, then one fixed token per step; no sampling); in throughput
-mode the seconds to serve a list of requests one after another.
+mode the seconds to serve a list of requests batched together, as `llama-batched-bench` does.
 """
 from __future__ import annotations
 
@@ -40,21 +40,43 @@ def measure(model: str, prompt: list[int], output_len: int, repeats: int, thread
     return {"prefill_seconds": prefill, "decode_seconds": decode}
 
 
-def serve_sequentially(model: str, requests: list[tuple[list[int], int]], threads: int) -> dict[str, float]:
-    """Every (prompt, output length) request in turn on one context, as one llama.cpp context per sequence
-    would: the prompt in one batch, then one fixed token per step."""
-    from llama_cpp import Llama
+def serve_batched(model: str, requests: list[tuple[list[int], int]], threads: int) -> dict[str, float]:
+    """Every (prompt, output length) request as a sequence of one context, as `llama-batched-bench` runs them:
+    the prompts decoded together in batches of up to 2048 tokens (logits for each prompt's last token), then one
+    batch per step holding the next token of every sequence that still has output to produce (a fixed token: no
+    sampling). Uses the binding's low-level batch API: its `Llama` class runs one sequence."""
+    import llama_cpp
 
-    longest = max(len(prompt) + output_len for prompt, output_len in requests)
-    llm = Llama(model_path=model, n_ctx=longest + 8, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+    llama_cpp.llama_backend_init()
+    llama_model = llama_cpp.llama_model_load_from_file(model.encode(), llama_cpp.llama_model_default_params())
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = sum(len(prompt) + output_len for prompt, output_len in requests) + 256
+    params.n_batch, params.n_ubatch, params.n_seq_max, params.kv_unified = 2048, 512, len(requests), True
+    params.n_threads = params.n_threads_batch = threads
+    context = llama_cpp.llama_init_from_model(llama_model, params)
+    batch = llama_cpp.llama_batch_init(2048, 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+        for start in range(0, len(entries), 2048):
+            chunk = entries[start:start + 2048]
+            for i, (token, position, sequence, logits) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, logits
+                batch.seq_id[i][0] = sequence
+            batch.n_tokens = len(chunk)
+            if llama_cpp.llama_decode(context, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+
     start = time.perf_counter()
-    for prompt, output_len in requests:
-        llm.reset()
-        llm.eval(prompt)
-        for i in range(output_len - 1):  # the first output token comes from the prompt's logits
-            llm.eval([prompt[i % len(prompt)]])
-    return {"seconds": time.perf_counter() - start}
+    decode([(token, position, sequence, position == len(prompt) - 1)
+            for sequence, (prompt, _) in enumerate(requests) for position, token in enumerate(prompt)])
+    for step in range(max(output_len for _, output_len in requests) - 1):  # the first token came from the prompt
+        decode([(prompt[step % len(prompt)], len(prompt) + step, sequence, True)
+                for sequence, (prompt, output_len) in enumerate(requests) if step < output_len - 1])
+    seconds = time.perf_counter() - start
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(context)
+    llama_cpp.llama_model_free(llama_model)
+    return {"seconds": seconds}
 
 
 def main() -> None:
@@ -68,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.requests:
         with open(args.requests) as f:
-            print(json.dumps(serve_sequentially(args.model, [tuple(r) for r in json.load(f)], args.threads)))
+            print(json.dumps(serve_batched(args.model, [tuple(r) for r in json.load(f)], args.threads)))
         return
     prompt = [int(t) for t in args.prompt.split(",")]
     print(json.dumps(measure(args.model, prompt, args.output_len, args.repeats, args.threads)))

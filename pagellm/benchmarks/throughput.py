@@ -5,7 +5,8 @@ Each request gets a prompt of random token ids and a fixed number of output toke
 uniformly from the given ranges. Every backend runs the same requests with greedy decoding on the same threads;
 `--backend hf` batches like vLLM's HF baseline (left padding, `generate` per batch with max_new_tokens = the
 batch's longest output), in this process and dtype; `--backend llama.cpp` runs the GGUF file through
-`llama-cpp-python` in a child process, one request after another (its binding gives one sequence per context).
+`llama-cpp-python` in a child process, every request a sequence of one batched context (`llama-batched-bench`'s
+way), and `--llama-cpp-f32` gives it a float32 GGUF of the same weights instead.
 Figures are tokens the requests asked for, never padding.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,7 +58,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=parse_range, default=(32, 256), help="N or MIN:MAX output tokens")
     parser.add_argument("--dataset-seed", type=int, default=0)
     parser.add_argument("--backend", choices=["pagellm", "hf", "llama.cpp", "both", "all"], default="pagellm",
-                        help="both: pagellm and hf; all: also llama.cpp (a GGUF model; one sequence at a time)")
+                        help="both: pagellm and hf; all: also llama.cpp (a GGUF model; requests batched)")
+    parser.add_argument("--llama-cpp-f32", action="store_true",
+                        help="llama.cpp runs a float32 GGUF of the same weights (written once with `gguf`)")
     parser.add_argument("--hf-max-batch-size", type=int, default=16)
     parser.add_argument("--hf-max-len", type=int, default=2048,
                         help="longest padded prompt + output of one HF generate call (as vLLM's HF baseline)")
@@ -115,8 +119,8 @@ def run_hf(model, requests: list[BenchRequest], pad_token_id: int, max_batch_siz
                        sum(r.output_len for r in requests))
 
 
-def run_llama_cpp(gguf_path: str, requests: list[BenchRequest]) -> BenchResult:
-    """llama.cpp through its Python binding, in a child process: one context serving the requests in turn."""
+def run_llama_cpp(gguf_path: str, requests: list[BenchRequest], name: str = "llama.cpp") -> BenchResult:
+    """llama.cpp through its Python binding, in a child process: one context serving the requests batched."""
     import json
     import subprocess
     import sys
@@ -131,7 +135,7 @@ def run_llama_cpp(gguf_path: str, requests: list[BenchRequest]) -> BenchResult:
         command = [sys.executable, "-m", "pagellm.benchmarks.llama_cpp_peer", gguf_path, "--requests", f.name,
                    "--threads", str(torch.get_num_threads())]
         seconds = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)["seconds"]
-    return BenchResult("llama.cpp", seconds, len(requests), sum(len(r.prompt_token_ids) for r in requests),
+    return BenchResult(name, seconds, len(requests), sum(len(r.prompt_token_ids) for r in requests),
                        sum(r.output_len for r in requests))
 
 
@@ -162,7 +166,12 @@ def run(args: argparse.Namespace) -> None:
     if args.backend in ("pagellm", "both", "all"):
         results.append(run_pagellm(llm, requests))
     if args.backend in ("llama.cpp", "all"):
-        results.append(run_llama_cpp(model_config.gguf_file, requests))
+        gguf_file, name = model_config.gguf_file, "llama.cpp"
+        if args.llama_cpp_f32:
+            from pagellm.benchmarks.latency import f32_gguf
+
+            gguf_file, name = str(f32_gguf(Path(gguf_file))), "llama.cpp F32"
+        results.append(run_llama_cpp(gguf_file, requests, name))
     if args.backend in ("hf", "both", "all"):
         del llm  # free the KV pool before the baseline runs
         hf_model = load_hf_model(model_config.model, model_config.dtype, device)

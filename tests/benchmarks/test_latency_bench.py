@@ -110,6 +110,67 @@ class Llama:
 
     def eval(self, tokens):
         time.sleep(0.001 + 0.0001 * len(tokens))
+
+
+# The low-level batch API, same costs per llama_decode; it checks what a batch holds.
+class _Params:
+    pass
+
+
+class _Batch:
+    def __init__(self, capacity):
+        self.n_tokens = 0
+        self.token, self.pos, self.n_seq_id, self.logits = ([0] * capacity for _ in range(4))
+        self.seq_id = [[0] for _ in range(capacity)]
+
+
+DECODED = []  # (sequence, position) of every token decoded, in order
+
+
+def llama_backend_init():
+    pass
+
+
+def llama_model_default_params():
+    return _Params()
+
+
+llama_context_default_params = llama_model_default_params
+
+
+def llama_model_load_from_file(path, params):
+    open(path, "rb").close()
+    return object()
+
+
+def llama_init_from_model(model, params):
+    assert params.n_seq_max >= 1 and params.n_ctx > 0
+    return object()
+
+
+def llama_batch_init(capacity, embd, n_seq_max):
+    return _Batch(capacity)
+
+
+def llama_decode(context, batch):
+    DECODED.extend((batch.seq_id[i][0], batch.pos[i]) for i in range(batch.n_tokens))
+    time.sleep(0.001 + 0.0001 * batch.n_tokens)
+    return 0
+
+
+def llama_batch_free(batch):
+    # every sequence's positions came in order, each once
+    for sequence in {s for s, _ in DECODED}:
+        positions = [p for s, p in DECODED if s == sequence]
+        assert positions == list(range(len(positions))), positions
+
+
+def llama_free(context):
+    pass
+
+
+def llama_model_free(model):
+    pass
 '''
 
 
@@ -138,6 +199,7 @@ def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
     assert result.weight_bytes == 4 * 32 * 4
 
     served = run_llama_cpp(str(model), [BenchRequest(list(range(50)), 10), BenchRequest(list(range(30)), 5)])
-    expected = (0.001 + 0.005) + 9 * 0.0011 + (0.001 + 0.003) + 4 * 0.0011
+    # batched: both prompts in one decode (80 tokens), then 4 steps of two sequences and 5 of one
+    expected = (0.001 + 0.008) + 4 * 0.0012 + 5 * 0.0011
     assert expected <= served.elapsed < expected * 3 + 0.05
     assert (served.prompt_tokens, served.output_tokens) == (80, 15)
