@@ -50,8 +50,10 @@ def serve_batched(model: str, requests: list[tuple[list[int], int]], threads: in
     llama_cpp.llama_backend_init()
     llama_model = llama_cpp.llama_model_load_from_file(model.encode(), llama_cpp.llama_model_default_params())
     params = llama_cpp.llama_context_default_params()
-    params.n_ctx = sum(len(prompt) + output_len for prompt, output_len in requests) + 256
-    params.n_batch, params.n_ubatch, params.n_seq_max, params.kv_unified = 2048, 512, len(requests), True
+    # A KV stream per sequence (not one unified cache): each token attends over its own sequence's cells only.
+    longest = max(len(prompt) + output_len for prompt, output_len in requests)
+    params.n_ctx = len(requests) * (-(-longest // 256) * 256)
+    params.n_batch, params.n_ubatch, params.n_seq_max, params.kv_unified = 2048, 512, len(requests), False
     params.n_threads = params.n_threads_batch = threads
     context = llama_cpp.llama_init_from_model(llama_model, params)
     batch = llama_cpp.llama_batch_init(2048, 0, 1)
