@@ -46,8 +46,8 @@ class Executor(ABC):
         """Call `method` on every worker; returns one result per rank, in rank order."""
 
     @abstractmethod
-    def execute_model(self, output: SchedulerOutput, grammar: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
-        """Run one step on every rank; returns the output rank's output. `grammar`, for a step with constrained
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+        """Run one step on every rank; returns the output rank's output. `bitmask`, for a step with constrained
         sequences, is their bitmask being computed (see core/sched_output.py): the output rank runs the forward
         pass meanwhile and waits for it only to sample (its `execute_model` returns None, `sample_tokens` the
         result)."""
@@ -58,11 +58,11 @@ class Executor(ABC):
         pipeline stages busy with different batches."""
         return 1
 
-    def submit_model(self, output: SchedulerOutput, grammar: Future[np.ndarray] | None = None) -> None:
-        """Start a step (`grammar` as in `execute_model`); its result comes from `collect_model_output`, in
+    def submit_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> None:
+        """Start a step (`bitmask` as in `execute_model`); its result comes from `collect_model_output`, in
         submission order. Here the step runs at once (an executor with max_concurrent_batches > 1 only sends it)."""
         try:
-            self._submitted.append(self.execute_model(output, grammar))
+            self._submitted.append(self.execute_model(output, bitmask))
         except EngineDeadError:
             raise
         except Exception as exc:  # raised when the step is collected, as an asynchronous executor would

@@ -86,18 +86,18 @@ class MultiprocExecutor(Executor):
         # stage runs batch N the first can run batch N + 1.
         return self.config.parallel_config.concurrent_stages
 
-    def execute_model(self, output: SchedulerOutput, grammar: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
-        self.submit_model(output, grammar)
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+        self.submit_model(output, bitmask)
         return self.collect_model_output()
 
-    def submit_model(self, output: SchedulerOutput, grammar: Future[np.ndarray] | None = None) -> None:
+    def submit_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> None:
         self._send_all("execute_model", (output,))
-        if grammar is not None:
+        if bitmask is not None:
             # While the ranks run the forward pass: the bitmask goes to the one that samples, which reads it next.
-            message = pickle.dumps(("sample_tokens", (GrammarOutput.from_future(grammar),)),
+            message = pickle.dumps(("sample_tokens", (GrammarOutput.from_future(bitmask),)),
                                    protocol=pickle.HIGHEST_PROTOCOL)
             self._send(self._output_worker, message)
-        self._sampled_apart.append(grammar is not None)
+        self._sampled_apart.append(bitmask is not None)
 
     def collect_model_output(self) -> ModelRunnerOutput:
         sampled_apart = self._sampled_apart.popleft()  # then the output rank answers twice: None, then the result

@@ -105,12 +105,12 @@ class RayExecutor(Executor):
         self.check_health()
         return self._get([actor.call.remote(method, *args) for actor in self.actors])
 
-    def execute_model(self, output: SchedulerOutput, grammar: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
         output_rank = self.config.parallel_config.output_rank
         result = self.collective_rpc("execute_model", output)[output_rank]
         if result is None:  # the output rank waits for the bitmask, computed meanwhile, to sample
             [result] = self._get([self.actors[output_rank].call.remote(
-                "sample_tokens", GrammarOutput.from_future(grammar))])
+                "sample_tokens", GrammarOutput.from_future(bitmask))])
         return result
 
     def _get(self, refs: list) -> list[Any]:

@@ -22,7 +22,7 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
-    def execute_model(self, output: SchedulerOutput, grammar: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
         # The forward pass runs on this thread while the bitmask is computed on the structured-output manager's.
         result = self.worker.execute_model(output)
-        return result if result is not None else self.worker.sample_tokens(GrammarOutput.from_future(grammar))
+        return result if result is not None else self.worker.sample_tokens(GrammarOutput.from_future(bitmask))

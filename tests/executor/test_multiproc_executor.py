@@ -8,10 +8,13 @@ import os
 import re
 import signal
 import time
+from concurrent.futures import Future
 
+import numpy as np
 import pytest
 
 from pagellm import LLM, SamplingParams
+from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.exceptions import EngineDeadError
@@ -51,13 +54,27 @@ def model_dir(tiny_model_factory):
     return tiny_model_factory("llama")
 
 
+def fail_a_constrained_step(llm: LLM) -> None:
+    """A constrained step whose forward pass fails (a sequence the worker never got) raises when collected; in a
+    worker process its sampling call, already sent, fails too and must be read, or the next steps would get
+    answers one step late."""
+    executor = llm.llm_engine.engine_core.executor
+    step = SchedulerOutput(scheduled=[ScheduledRequest("unknown", 1, 0)], structured_output_request_ids=["unknown"])
+    bitmask: Future[np.ndarray] = Future()
+    bitmask.set_result(np.full((1, 49152 // 32), -1, dtype=np.int32))
+    executor.submit_model(step, bitmask)
+    with pytest.raises(RuntimeError, match="no state for request unknown"):
+        executor.collect_model_output()
+
+
 def test_worker_process_gives_the_same_tokens_as_in_process(model_dir, make_token_prompts, pool_bytes):
-    """Greedy, seeded n > 1, beam search, preemption (a small pool) and constrained sequences beside free ones:
-    every token equal, every constrained output valid."""
+    """Greedy, seeded n > 1, beam search, preemption (a small pool) and constrained sequences beside free ones,
+    after a failed constrained step: every token equal, every constrained output valid."""
     prompts = make_token_prompts([5, 30, 60, 90], seed=3)
     runs = {}
     for backend in ("uni", "mp"):
         llm = make_llm(model_dir, backend, max_model_len=128, kv_cache_memory_bytes=pool_bytes(model_dir, 16, 10))
+        fail_a_constrained_step(llm)
         greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                               use_tqdm=False)
         sampled = llm.generate(prompts[:2], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8),

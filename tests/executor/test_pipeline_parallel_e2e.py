@@ -56,10 +56,10 @@ def test_two_stages_equal_one_on_a_tiny_model(tiny_model_factory, make_token_pro
         engine_core = llm.llm_engine.engine_core
         in_flight, constrained_in_flight, submit = [], [0], engine_core.executor.submit_model
 
-        def counting_submit(output, grammar=None):
-            submit(output, grammar)
+        def counting_submit(output, bitmask=None):
+            submit(output, bitmask)
             in_flight.append(len(engine_core._in_flight) + 1)
-            if grammar is not None:
+            if bitmask is not None:
                 constrained_in_flight.append(in_flight[-1])
 
         engine_core.executor.submit_model = counting_submit
