@@ -70,7 +70,7 @@ class ForwardResult:
     """A step's results before sampling: what `sample_tokens` needs when the step waits for its grammar bitmask."""
 
     sampled: list[BatchedRequest]  # one per logits row
-    logits: torch.Tensor | None
+    logits: torch.Tensor
     prompt_logprobs: dict[str, tuple[int, list]]
     failed: dict[str, str]
     phase_seconds: dict[str, float]
@@ -203,9 +203,9 @@ class ModelRunner:
         # Every tensor-parallel rank computes the logits (they are gathered across the ranks).
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled else None
         phases = {"prepare_inputs": prepared - start, "forward": time.perf_counter() - prepared}
-        step = ForwardResult(inputs.sampled, logits, prompt_logprobs, failed, phases)
         if logits is None or not self.samples:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed, phase_seconds=phases)
+        step = ForwardResult(inputs.sampled, logits, prompt_logprobs, failed, phases)
         if output.structured_output_request_ids:
             self._awaiting_grammar = (step, output.structured_output_request_ids)
             return None
