@@ -5,9 +5,13 @@ A sequence is sent in full (`NewRequestData`) the first time the workers see it:
 tokens and KV blocks added since the workers last saw it. Workers keep the rest (see worker/input_batch.py) and
 drop a sequence when it finishes or is preempted. Nothing here aliases scheduler state, so the whole object can be
 pickled to another process.
+
+The token bitmask of a step's constrained sequences travels apart, as a `GrammarOutput`: the engine computes it while
+the workers run the forward pass, and the rank that samples waits for it only then (see engine/core.py).
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,10 +58,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Structured outputs: the sequences of this step that sample under a grammar, and per sequence (same order) a
-    # packed row of the tokens it may sample (int32 words, bit t % 32 of word t // 32; see structured_output/).
+    # Structured outputs: the sequences of this step that sample under a grammar. Their bitmask rows come in the
+    # step's GrammarOutput, in this order; the rank that samples waits for it after the forward pass.
     structured_output_request_ids: list[str] = field(default_factory=list)
-    grammar_bitmask: np.ndarray | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -67,3 +70,21 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for the workers to do: no sequence to compute and no block to move."""
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+
+@dataclass
+class GrammarOutput:
+    """The second half of a step with constrained sequences: per `SchedulerOutput.structured_output_request_ids`
+    entry (same order) a packed row of the tokens it may sample (int32 words, bit t % 32 of word t // 32; see
+    structured_output/), or why the rows could not be computed (the step's constrained sequences then fail alone)."""
+
+    grammar_bitmask: np.ndarray | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_future(cls, bitmask: Future[np.ndarray]) -> GrammarOutput:
+        """Wait for a bitmask being computed on another thread."""
+        try:
+            return cls(bitmask.result())
+        except Exception as exc:
+            return cls(error=f"Grammar bitmask: {type(exc).__name__}: {exc}")

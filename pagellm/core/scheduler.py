@@ -13,9 +13,9 @@ Sequences of one user request (n > 1, beam search) are Requests with the same `g
 one another and share KV blocks (see KVCacheManager). Aborting a group id aborts all of them.
 
 A request with structured outputs waits in WAITING_FOR_FSM (outside the queue, so it holds nobody up) until the
-StructuredOutputManager has compiled its grammar; once running, each step's SchedulerOutput carries the token
-bitmask of its grammar, and its grammar advances with each sampled token and finishes it when the output is
-complete.
+StructuredOutputManager has compiled its grammar; once running, each step's SchedulerOutput names it among the
+constrained sequences, `start_grammar_bitmask` computes their token bitmask beside the forward pass, and its
+grammar advances with each sampled token and finishes it when the output is complete.
 
 A request whose results cannot be applied (an exception while updating it) fails alone: its whole group is
 finished with FINISHED_ERROR, its blocks freed, and the failure reported through `take_failed_groups`; the other
@@ -28,6 +28,9 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
+
+import numpy as np
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
@@ -247,7 +250,7 @@ class Scheduler:
         transfers = self.kv_cache_manager.take_transfers()
         output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
         output.blocks_to_copy = transfers.copies
-        self._fill_grammar_bitmask(output)
+        self._mark_constrained(output)
         if output.is_empty:
             # Nothing for the workers to do (everything is in flight): the sequences they drop go with the next
             # batch instead.
@@ -273,14 +276,21 @@ class Scheduler:
             self.waiting.append(request)
         self._fail_groups(errors)
 
-    def _fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """The allowed tokens of every constrained sequence that samples this step, one packed row each."""
-        constrained = [(s.request_id, request.structured_output_request.grammar) for s in output.scheduled
-                       if s.needs_sample
-                       and (request := self.requests[s.request_id]).structured_output_request is not None]
-        if constrained:
-            output.structured_output_request_ids = [request_id for request_id, _ in constrained]
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask([g for _, g in constrained])
+    def _mark_constrained(self, output: SchedulerOutput) -> None:
+        """Name the sequences of this step that sample under a grammar."""
+        output.structured_output_request_ids = [
+            s.request_id for s in output.scheduled
+            if s.needs_sample and self.requests[s.request_id].structured_output_request is not None]
+
+    def start_grammar_bitmask(self, output: SchedulerOutput) -> Future[np.ndarray] | None:
+        """Start computing the allowed tokens of the step's constrained sequences (one packed row each, in
+        `structured_output_request_ids` order) on the manager's bitmask thread; None when there are none. Their
+        grammars only advance once the step's results are applied, so nothing changes them meanwhile."""
+        if not output.structured_output_request_ids:
+            return None
+        return self.structured_output_manager.submit_bitmask(
+            [self.requests[request_id].structured_output_request.grammar
+             for request_id in output.structured_output_request_ids])
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
         """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its

@@ -76,7 +76,9 @@ class EngineCore:
             # worker times that itself (prepare_inputs, forward, sample).
             self.step_timings.add({"schedule": time.perf_counter() - start})
             if not output.is_empty:
-                self.executor.submit_model(output)
+                # The constrained sequences' bitmask is computed while the workers run the forward pass; the rank
+                # that samples waits for it only then (vLLM's split of execute_model and sample_tokens).
+                self.executor.submit_model(output, self.scheduler.start_grammar_bitmask(output))
                 self._in_flight.append(output)
             if not output.is_empty and len(self._in_flight) < stages:
                 return EngineCoreOutputs()

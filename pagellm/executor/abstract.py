@@ -1,12 +1,17 @@
 """The engine's only way to its workers: an Executor runs each step on every rank and returns the output rank's
-result (`ParallelConfig.output_rank`: the last pipeline stage's first tensor-parallel rank).
+result (`ParallelConfig.output_rank`: the last pipeline stage's first tensor-parallel rank, the only one that
+samples). A step with constrained sequences reaches that rank in two calls, the forward pass (`execute_model`) and,
+once the engine has their grammar bitmask, the sampling (`sample_tokens`), so the two overlap.
 `Executor.create` picks the implementation from `--distributed-executor-backend`."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import SchedulerOutput
@@ -40,9 +45,12 @@ class Executor(ABC):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         """Call `method` on every worker; returns one result per rank, in rank order."""
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; returns the output rank's output."""
-        return self.collective_rpc("execute_model", output)[self.config.parallel_config.output_rank]
+    @abstractmethod
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+        """Run one step on every rank; returns the output rank's output. `bitmask`, for a step with constrained
+        sequences, is their bitmask being computed (see core/sched_output.py): the output rank runs the forward
+        pass meanwhile and waits for it only to sample (its `execute_model` returns None, `sample_tokens` the
+        result)."""
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -50,11 +58,11 @@ class Executor(ABC):
         pipeline stages busy with different batches."""
         return 1
 
-    def submit_model(self, output: SchedulerOutput) -> None:
-        """Start a step; its result comes from `collect_model_output`, in submission order. Here the step runs at
-        once (an executor with max_concurrent_batches > 1 only sends it)."""
+    def submit_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> None:
+        """Start a step (`bitmask` as in `execute_model`); its result comes from `collect_model_output`, in
+        submission order. Here the step runs at once (an executor with max_concurrent_batches > 1 only sends it)."""
         try:
-            self._submitted.append(self.execute_model(output))
+            self._submitted.append(self.execute_model(output, bitmask))
         except EngineDeadError:
             raise
         except Exception as exc:  # raised when the step is collected, as an asynchronous executor would

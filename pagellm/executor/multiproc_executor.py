@@ -3,7 +3,10 @@
 Each rank is a spawned process running a Worker; the ranks form a torch.distributed group (see distributed/)
 for the model's collectives. The engine talks to them over one pipe each: every call is pickled once and its
 bytes written to every pipe; each rank answers on its own pipe (only the output rank, the last pipeline stage's
-first tensor-parallel rank, with the step's result).
+first tensor-parallel rank, with the step's result). A step with constrained sequences sends the output rank a
+second message, `sample_tokens` with the grammar bitmask, once the engine has computed it while the ranks run the
+forward pass; the rank reads it after its forward pass (its pipe keeps the order, also with several batches in
+flight) and answers both calls. Steps without constraints send nothing more.
 
 Failure is noticed fast. A monitor thread waits on the processes' sentinels: when a worker exits while the
 executor runs, the executor is marked dead, the failure callbacks run (the server turns /health to 503 even when
@@ -13,6 +16,7 @@ no orphan is left behind even if the engine is killed.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import signal
@@ -20,13 +24,17 @@ import socket
 import threading
 import traceback
 import weakref
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import numpy as np
+
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import SchedulerOutput
+from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
@@ -60,6 +68,8 @@ class MultiprocExecutor(Executor):
             process.start()
             child_end.close()
             self.workers.append(_WorkerProcess(rank, process, parent_end))
+        self._output_worker = self.workers[config.parallel_config.output_rank]
+        self._sampled_apart: deque[bool] = deque()  # per submitted step: does its sampling wait for a bitmask?
         # An executor dropped without shutdown() (an LLM going out of scope) still stops its processes.
         self._finalizer = weakref.finalize(self, kill_processes, [worker.process for worker in self.workers])
         threading.Thread(target=_monitor, args=(weakref.ref(self), self.workers), name="pagellm-worker-monitor",
@@ -76,11 +86,31 @@ class MultiprocExecutor(Executor):
         # stage runs batch N the first can run batch N + 1.
         return self.config.parallel_config.concurrent_stages
 
-    def submit_model(self, output: SchedulerOutput) -> None:
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+        self.submit_model(output, bitmask)
+        return self.collect_model_output()
+
+    def submit_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> None:
         self._send_all("execute_model", (output,))
+        if bitmask is not None:
+            # While the ranks run the forward pass: the bitmask goes to the one that samples, which reads it next.
+            message = pickle.dumps(("sample_tokens", (GrammarOutput.from_future(bitmask),)),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
+            self._send(self._output_worker, message)
+        self._sampled_apart.append(bitmask is not None)
 
     def collect_model_output(self) -> ModelRunnerOutput:
-        return [self._receive(worker) for worker in self.workers][self.config.parallel_config.output_rank]
+        sampled_apart = self._sampled_apart.popleft()  # then the output rank answers twice: None, then the result
+        try:
+            results = [self._receive(worker) for worker in self.workers]
+        except EngineDeadError:
+            raise
+        except RuntimeError:
+            if sampled_apart:  # one rank whose forward pass failed: its sample_tokens call failed too
+                with contextlib.suppress(RuntimeError):
+                    self._receive(self._output_worker)
+            raise
+        return self._receive(self._output_worker) if sampled_apart else results[self._output_worker.rank]
 
     def shutdown(self) -> None:
         if self._closing:
@@ -101,10 +131,13 @@ class MultiprocExecutor(Executor):
         self.check_health()
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         for worker in self.workers:
-            try:
-                worker.conn.send_bytes(message)
-            except OSError as exc:
-                raise EngineDeadError(self._fail(f"Worker rank {worker.rank} cannot be reached ({exc}).")) from exc
+            self._send(worker, message)
+
+    def _send(self, worker: _WorkerProcess, message: bytes) -> None:
+        try:
+            worker.conn.send_bytes(message)
+        except OSError as exc:
+            raise EngineDeadError(self._fail(f"Worker rank {worker.rank} cannot be reached ({exc}).")) from exc
 
     def _receive(self, worker: _WorkerProcess) -> Any:
         while not worker.conn.poll(_POLL_SECONDS):

@@ -2,7 +2,9 @@
 
 The ranks are placed with a placement group (one bundle per rank: a GPU on CUDA, a CPU otherwise), joined into
 one torch.distributed group whose rendezvous is rank 0's node, and driven as the multi-process executor drives
-its processes: every call goes to every rank and only the output rank's step result comes back.
+its processes: every call goes to every rank and only the output rank's step result comes back. A step with
+constrained sequences then calls the output rank once more, `sample_tokens` with the grammar bitmask computed while
+the ranks ran the forward pass (after that call has returned, so the actor's two threads never race).
 
 Without a running cluster (`ray start --head` and `RAY_ADDRESS`, or `ray.init` already called) a local Ray
 instance is started. A dead actor is noticed on the next call and by a monitor that waits on a never-ending
@@ -13,12 +15,17 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from pagellm.config import EngineConfig
+from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
+from pagellm.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -96,8 +103,20 @@ class RayExecutor(Executor):
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self.check_health()
+        return self._get([actor.call.remote(method, *args) for actor in self.actors])
+
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+        output_rank = self.config.parallel_config.output_rank
+        result = self.collective_rpc("execute_model", output)[output_rank]
+        if result is None:  # the output rank waits for the bitmask, computed meanwhile, to sample
+            [result] = self._get([self.actors[output_rank].call.remote(
+                "sample_tokens", GrammarOutput.from_future(bitmask))])
+        return result
+
+    def _get(self, refs: list) -> list[Any]:
+        """The calls' results; a dead actor (or a failed rank of several) makes the executor dead."""
         try:
-            return self._ray.get([actor.call.remote(method, *args) for actor in self.actors])
+            return self._ray.get(refs)
         except self._ray.exceptions.RayActorError as exc:
             raise EngineDeadError(self._fail(f"A Ray worker died: {exc}")) from exc
         except self._ray.exceptions.RayTaskError as exc:

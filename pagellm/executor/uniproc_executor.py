@@ -1,10 +1,13 @@
-"""The executor for one worker in this process."""
+"""The executor for one worker in this process (on the engine's thread)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import SchedulerOutput
+from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.executor.abstract import Executor
 from pagellm.worker.model_runner import ModelRunnerOutput
 from pagellm.worker.worker import Worker
@@ -19,5 +22,7 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(output)
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+        # The forward pass runs on this thread while the bitmask is computed on the structured-output manager's.
+        result = self.worker.execute_model(output)
+        return result if result is not None else self.worker.sample_tokens(GrammarOutput.from_future(bitmask))

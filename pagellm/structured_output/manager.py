@@ -5,12 +5,10 @@ WAITING_FOR_FSM until its grammar is ready while the rest of the batch runs. Com
 text (LRU); each sequence takes its own copy of the cached, never-advanced grammar. The backend itself (llguidance's
 view of the tokenizer, ~0.3 s) is built on first use, so engines that never see a constraint never pay for it.
 
-Each step, `grammar_bitmask` fills one packed row per constrained sequence that samples; the scheduler puts the
-rows and their request ids in the SchedulerOutput and the workers mask the logits with them. llguidance computes a
-row in 30-70 us on this CPU (2.2 ms for 32 sequences of a JSON schema, against a ~136 ms decode step; see
-`pagellm bench structured`), so it runs inline in `schedule()` rather than beside the forward pass: on a 2-core
-CPU a second thread would only take cores from the forward pass's OpenMP threads, and the SchedulerOutput stays
-plain data that any executor can send."""
+Each step, `submit_bitmask` starts filling one packed row per constrained sequence that samples, on a thread of
+its own (llguidance releases the GIL while it computes a mask), so the rows are computed while the workers run the
+forward pass; the rank that samples waits for them only then (see engine/core.py and executor/). A row takes
+30-70 us on this CPU (2.2 ms for 32 sequences of a JSON schema, see `pagellm bench structured`)."""
 from __future__ import annotations
 
 import threading
@@ -29,6 +27,8 @@ from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenize
 
 GRAMMAR_CACHE_SIZE = 256
 NUM_COMPILE_THREADS = 2
+# Bitmasks get their own thread: queued behind a long compilation, a step would wait for it.
+NUM_BITMASK_THREADS = 1
 
 
 class LazyBackend:
@@ -53,6 +53,7 @@ class StructuredOutputManager:
         self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self._executor = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="pagellm-grammar")
+        self._bitmask_executor = ThreadPoolExecutor(NUM_BITMASK_THREADS, thread_name_prefix="pagellm-bitmask")
         self._backend = LazyBackend(self._build_backend)
         self._cache: OrderedDict[str, Future[StructuredOutputGrammar]] = OrderedDict()
 
@@ -90,5 +91,10 @@ class StructuredOutputManager:
             grammar.fill_bitmask(bitmask, row)
         return bitmask
 
+    def submit_bitmask(self, grammars: list[StructuredOutputGrammar]) -> Future[np.ndarray]:
+        """`grammar_bitmask(grammars)` on the bitmask thread. The grammars must not advance until it is done."""
+        return self._bitmask_executor.submit(self.grammar_bitmask, grammars)
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._bitmask_executor.shutdown(wait=False, cancel_futures=True)

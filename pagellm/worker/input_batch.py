@@ -48,7 +48,8 @@ class BatchedRequest:
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     num_samples: int = 1
-    # Structured outputs: this step's packed row of the tokens the sequence may sample (see sched_output.py).
+    # Structured outputs: this step's packed row of the tokens the sequence may sample (see GrammarOutput in
+    # core/sched_output.py), attached once the bitmask has come.
     grammar_bitmask: np.ndarray | None = None
 
     @property
@@ -66,8 +67,6 @@ class InputBatch:
             self.requests.pop(request_id, None)
         for data in output.new_requests:
             self.requests[data.request_id] = CachedRequestState.from_new(data)
-        bitmask_rows = dict(zip(output.structured_output_request_ids,
-                                output.grammar_bitmask if output.grammar_bitmask is not None else ()))
         batch = []
         for scheduled in output.scheduled:
             state = self.requests.get(scheduled.request_id)
@@ -85,6 +84,13 @@ class InputBatch:
             batch.append(BatchedRequest(
                 state.request_id, state.all_token_ids[start:start + scheduled.num_tokens], start, state.block_ids,
                 state.sampling_params, scheduled.needs_sample, state.prompt_token_ids, state.output_token_ids,
-                state.eos_token_ids, state.bad_words_token_ids, scheduled.num_samples,
-                bitmask_rows.get(scheduled.request_id)))
+                state.eos_token_ids, state.bad_words_token_ids, scheduled.num_samples))
         return batch
+
+
+def attach_grammar_bitmask(requests: list[BatchedRequest], request_ids: list[str], bitmask: np.ndarray) -> None:
+    """Give each constrained request its bitmask row (`bitmask[i]` belongs to `request_ids[i]`); an n > 1 request,
+    listed once per sample, samples each of them under the same row."""
+    rows = dict(zip(request_ids, bitmask))
+    for request in requests:
+        request.grammar_bitmask = rows.get(request.request_id)

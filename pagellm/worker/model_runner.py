@@ -8,6 +8,11 @@ A request whose own work fails (its prompt logprobs, its sampling parameters) is
 `ModelRunnerOutput.failed` and the rest of the batch keeps its results: when a batched sampling call raises, each
 request's rows are sampled alone (seeded generators rewound first, so greedy and seeded requests get exactly the
 tokens the batch would have given them) to find the one that breaks it.
+
+A step with sequences that sample under a grammar is run in two calls on the rank that samples (vLLM's split):
+`execute_model` runs the forward pass and keeps the logits, while the engine computes the grammar bitmask;
+`sample_tokens` masks the constrained rows with it and samples. Other ranks never sample (their results are not
+read), so they never wait for a bitmask.
 """
 from __future__ import annotations
 
@@ -18,14 +23,14 @@ import numpy as np
 import torch
 
 from pagellm.config import ModelConfig
-from pagellm.core.sched_output import SchedulerOutput
+from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
-from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists, unpack_disallowed
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
-from pagellm.worker.input_batch import BatchedRequest, InputBatch
+from pagellm.worker.input_batch import BatchedRequest, InputBatch, attach_grammar_bitmask
+from pagellm.worker.sampling_inputs import build_sampling_tensors
 
 logger = init_logger(__name__)
 
@@ -60,11 +65,26 @@ class ModelInputs:
     prompt_logprobs: list[tuple[BatchedRequest, int]] = field(default_factory=list)
 
 
+@dataclass
+class ForwardResult:
+    """A step's results before sampling: what `sample_tokens` needs when the step waits for its grammar bitmask."""
+
+    sampled: list[BatchedRequest]  # one per logits row
+    logits: torch.Tensor
+    prompt_logprobs: dict[str, tuple[int, list]]
+    failed: dict[str, str]
+    phase_seconds: dict[str, float]
+
+
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device) -> None:
+    def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device,
+                 samples: bool = True) -> None:
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
+        self.samples = samples  # False on ranks whose results nobody reads: they stop after the logits
+        # The step whose sampling waits for its grammar bitmask, with the constrained request ids.
+        self._awaiting_grammar: tuple[ForwardResult, list[str]] | None = None
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
@@ -139,67 +159,7 @@ class ModelRunner:
                            self._to_device(logits_indices), [ordered[i] for i in sampled_rows], prompt_logprobs)
 
     def sampling_tensors(self, requests: list[BatchedRequest]) -> SamplingTensors:
-        params = [r.sampling_params for r in requests]
-        vocab = self.model_config.vocab_size
-        top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-        generators = {}
-        for row, (request, p) in enumerate(zip(requests, params)):
-            if p.seed is not None and not p.is_greedy:
-                generator = self.generators.get(request.request_id)
-                if generator is None:
-                    generator = torch.Generator(self.device).manual_seed(p.seed)
-                    self.generators[request.request_id] = generator
-                generators[row] = generator
-        tensors = SamplingTensors(
-            temperature=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
-                                     dtype=torch.float32, device=self.device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=self.device),
-            all_greedy=all(p.is_greedy for p in params),
-            needs_top_k=any(k < vocab for k in top_k),
-            needs_top_p=any(p.top_p < 1.0 for p in params),
-            generators=generators,
-            num_logprobs=[p.logprobs for p in params],
-        )
-        constrained = [row for row, r in enumerate(requests) if r.grammar_bitmask is not None]
-        if constrained:
-            disallowed = unpack_disallowed([requests[row].grammar_bitmask for row in constrained], vocab)
-            rows = None if len(constrained) == len(requests) else torch.tensor(constrained, device=self.device)
-            tensors.disallowed_tokens = (rows, disallowed.to(self.device))
-        if any(p.min_p > 0.0 and not p.is_greedy for p in params):
-            tensors.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
-        if any(p.needs_penalties for p in params):
-            # Token lists only for the rows with a penalty; the others get padding (no effect).
-            penalized = [p.needs_penalties for p in params]
-            tensors.prompt_tokens = pad_token_lists(
-                [r.prompt_token_ids if on else () for r, on in zip(requests, penalized)], vocab, self.device)
-            tensors.output_tokens = pad_token_lists(
-                [r.output_token_ids if on else () for r, on in zip(requests, penalized)], vocab, self.device)
-            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
-                setattr(tensors, name, torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
-                                                    device=self.device))
-        bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
-        for row, (request, p) in enumerate(zip(requests, params)):
-            if p.logit_bias:
-                bias_rows += [row] * len(p.logit_bias)
-                bias_ids += list(p.logit_bias)
-                bias_values += list(p.logit_bias.values())
-            banned = []
-            if request.bad_words_token_ids:
-                banned += bad_words_bans(request.bad_words_token_ids, request.output_token_ids)
-            if len(request.output_token_ids) < p.min_tokens:
-                banned += p.stop_token_ids
-                if not p.ignore_eos:
-                    banned += request.eos_token_ids
-            ban_rows += [row] * len(banned)
-            ban_ids += banned
-        if bias_rows:
-            tensors.logit_bias = (torch.tensor(bias_rows, device=self.device),
-                                  torch.tensor(bias_ids, device=self.device),
-                                  torch.tensor(bias_values, dtype=torch.float32, device=self.device))
-        if ban_rows:
-            tensors.bans = (torch.tensor(ban_rows, device=self.device), torch.tensor(ban_ids, device=self.device))
-        return tensors
+        return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, self.generators)
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs,
                                 failed: dict[str, str]) -> dict[str, tuple[int, list]]:
@@ -223,7 +183,9 @@ class ModelRunner:
 
     # ---- execution ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the step and sample; None when this rank samples sequences under a grammar: their bitmask is still
+        being computed, and `sample_tokens` finishes the step."""
         for request_id in output.finished_req_ids:
             self.generators.pop(request_id, None)
         start = time.perf_counter()
@@ -238,23 +200,44 @@ class ModelRunner:
                                                         "forward": time.perf_counter() - prepared})
         failed: dict[str, str] = {}
         prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs, failed) if inputs.prompt_logprobs else {}
-        if not inputs.sampled:
-            phases = {"prepare_inputs": prepared - start, "forward": time.perf_counter() - prepared}
+        # Every tensor-parallel rank computes the logits (they are gathered across the ranks).
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled else None
+        phases = {"prepare_inputs": prepared - start, "forward": time.perf_counter() - prepared}
+        if logits is None or not self.samples:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed, phase_seconds=phases)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        computed = time.perf_counter()
-        rows = self._sample(logits, inputs.sampled, failed)
+        step = ForwardResult(inputs.sampled, logits, prompt_logprobs, failed, phases)
+        if output.structured_output_request_ids:
+            self._awaiting_grammar = (step, output.structured_output_request_ids)
+            return None
+        return self._sample_step(step)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+        """Finish the step `execute_model` left waiting: its constrained rows masked by `grammar`, then sampled. If
+        the bitmask could not be computed, the constrained requests fail alone."""
+        if self._awaiting_grammar is None:
+            raise RuntimeError("sample_tokens was called, but no step waits for a grammar bitmask.")
+        (step, request_ids), self._awaiting_grammar = self._awaiting_grammar, None
+        if grammar.error is not None:
+            logger.error("%s; the step's %d constrained requests fail.", grammar.error, len(request_ids))
+            step.failed.update(dict.fromkeys(request_ids, grammar.error))
+        else:
+            attach_grammar_bitmask(step.sampled, request_ids, grammar.grammar_bitmask)
+        return self._sample_step(step)
+
+    def _sample_step(self, step: ForwardResult) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        rows = self._sample(step.logits, step.sampled, step.failed)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[LogprobsEntry]] = {}
         for row in sorted(rows):  # row order keeps an n > 1 request's samples in sequence order
-            request_id = inputs.sampled[row].request_id
+            request_id = step.sampled[row].request_id
             token, entry = rows[row]
             sampled.setdefault(request_id, []).append(token)
             if entry is not None:
                 logprobs.setdefault(request_id, []).append(entry)
-        phases = {"prepare_inputs": prepared - start, "forward": computed - prepared,
-                  "sample": time.perf_counter() - computed}
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, failed, phases)
+        phases = {**step.phase_seconds, "sample": time.perf_counter() - start}
+        return ModelRunnerOutput(sampled, logprobs, step.prompt_logprobs, step.failed, phases)
 
     def _sample(self, logits: torch.Tensor, requests: list[BatchedRequest],
                 failed: dict[str, str]) -> dict[int, tuple[int, LogprobsEntry | None]]:

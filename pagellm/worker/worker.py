@@ -1,5 +1,6 @@
 """One worker: owns a device, the model on it, the KV cache tensors (device blocks and the host tier), sizes both
-from memory budgets, and applies each step's block moves before its forward pass."""
+from memory budgets, applies each step's block moves before its forward pass, and runs the step (in two calls when
+it samples under a grammar whose bitmask is computed meanwhile: `execute_model`, then `sample_tokens`)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,7 @@ import os
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.core.sched_output import GrammarOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.distributed.parallel_state import stage_layer_range
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
@@ -48,7 +49,9 @@ class Worker:
         # One GPU per rank on this machine; data-parallel replicas take the next world_size GPUs each.
         gpu = parallel.data_parallel_rank * parallel.world_size + rank
         self.device = torch.device("cuda", gpu % torch.cuda.device_count()) if device.type == "cuda" else device
-        self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device)
+        # Only the rank whose result the engine reads samples.
+        self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device,
+                                        samples=rank == parallel.output_rank)
         self.cache_engine: CacheEngine | None = None
 
     def init_device(self) -> None:
@@ -165,7 +168,8 @@ class Worker:
                                         num_host_blocks, self.tensor_parallel_size, self.num_layers)
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the step; None when its sampling waits for the grammar bitmask (then call `sample_tokens`)."""
         # The order SchedulerOutput prescribes: a block evicted to the host this step may be reused by a swap-in
         # or a copy in the same step.
         self.cache_engine.swap_out(output.blocks_to_swap_out)
@@ -173,3 +177,7 @@ class Worker:
         if output.blocks_to_copy:
             self.cache_engine.copy_blocks(output.blocks_to_copy)
         return self.model_runner.execute_model(output)
+
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step `execute_model` left waiting for its grammar bitmask."""
+        return self.model_runner.sample_tokens(grammar)

@@ -1,15 +1,19 @@
 """Pipeline parallelism end to end: stages in worker processes (gloo), each holding a range of the decoder layers
 and passing the residual stream on, give the single-rank engine's greedy tokens and logprobs, under chunked
-prefill, preemption, n > 1 and beam search with a batch per stage in flight (--pipeline-overlap); with an uneven
-split and a tied LM head (Qwen3); combined with tensor parallelism (2 x 2 ranks); and on the default model (those
-two with the CPU default, one batch at a time)."""
+prefill, preemption, n > 1, beam search and structured outputs with a batch per stage in flight
+(--pipeline-overlap); with an uneven split and a tied LM head (Qwen3); combined with tensor parallelism (2 x 2
+ranks); and on the default model (those two with the CPU default, one batch at a time)."""
 from __future__ import annotations
+
+import re
 
 import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed.parallel_state import stage_layer_range
-from pagellm.sampling_params import BeamSearchParams
+from pagellm.sampling_params import BeamSearchParams, StructuredOutputsParams
+
+REGEX = r"[a-z]{2,5}-[0-9]{2}"
 
 
 def greedy_with_logprobs(llm: LLM, prompts, max_tokens: int = 12) -> list:
@@ -50,20 +54,26 @@ def test_two_stages_equal_one_on_a_tiny_model(tiny_model_factory, make_token_pro
 
     def workload(llm: LLM, prompts) -> tuple:
         engine_core = llm.llm_engine.engine_core
-        in_flight, submit = [], engine_core.executor.submit_model
+        in_flight, constrained_in_flight, submit = [], [0], engine_core.executor.submit_model
 
-        def counting_submit(output):
-            submit(output)
+        def counting_submit(output, bitmask=None):
+            submit(output, bitmask)
             in_flight.append(len(engine_core._in_flight) + 1)
+            if bitmask is not None:
+                constrained_in_flight.append(in_flight[-1])
 
         engine_core.executor.submit_model = counting_submit
         greedy = greedy_with_logprobs(llm, prompts, max_tokens=16)
         sampled = llm.generate(prompts[:1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6),
                                use_tqdm=False)
         beams = llm.beam_search(prompts[1:2], BeamSearchParams(beam_width=2, max_tokens=5))
+        regex = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX))
+        free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        constrained = llm.generate(prompts, [regex, free, regex, free], use_tqdm=False)
         return (greedy, [[c.token_ids for c in o.outputs] for o in sampled], [s.tokens for s in beams[0].sequences],
                 engine_core.num_blocks, engine_core.scheduler.num_preemptions_total,
-                engine_core.executor.collective_rpc("weight_bytes"), max(in_flight))
+                engine_core.executor.collective_rpc("weight_bytes"), max(in_flight),
+                [(o.outputs[0].text, o.outputs[0].token_ids) for o in constrained], max(constrained_in_flight))
 
     results = {pp: generate_with(model_dir, prompts, workload, max_model_len=128, max_num_batched_tokens=32,
                                  pipeline_parallel_size=pp, kv_cache_memory_bytes=pool_bytes(model_dir, 16, 10) // pp,
@@ -77,6 +87,10 @@ def test_two_stages_equal_one_on_a_tiny_model(tiny_model_factory, make_token_pro
     assert sum(stage_bytes) == total_bytes and max(stage_bytes) < total_bytes
     # Two batches were in flight at once (one per stage) with two stages, one at a time with one.
     assert (results[1][6], results[2][6]) == (1, 2)
+    # Constrained batches too (each stage's bitmask follows its batch down the output rank's pipe), with the same
+    # tokens and valid outputs.
+    assert results[2][7] == results[1][7] and (results[1][8], results[2][8]) == (1, 2)
+    assert all(re.fullmatch(REGEX, text) for text, _ in results[2][7][::2])
 
 
 def test_uneven_stages_of_two_tensor_parallel_ranks_with_a_tied_lm_head(tiny_model_factory, make_token_prompts):

@@ -1,7 +1,8 @@
 """The structured-output pieces on their own: the llguidance backend's bitmask against the vocabulary (an
-independent check: which tokens' text can start a choice), the unpacking the workers do, the bitmask's trip through
-a pickled SchedulerOutput to a worker's batch, and the scheduler around a grammar that is still compiling (it
-waits without holding up other requests; n > 1 forks the grammar; a finished grammar stops the sequence)."""
+independent check: which tokens' text can start a choice), the unpacking the workers do, the bitmask's trip in a
+pickled GrammarOutput beside its pickled SchedulerOutput to a worker's batch, and the scheduler around a grammar
+that is still compiling (it waits without holding up other requests; n > 1 forks the grammar; a finished grammar
+stops the sequence)."""
 from __future__ import annotations
 
 import pickle
@@ -14,12 +15,13 @@ import torch
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched_output import GrammarOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.model_executor.layers.logits_processors import mask_disallowed, unpack_disallowed
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import LazyBackend, StructuredOutputManager
-from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.input_batch import InputBatch, attach_grammar_bitmask
 
 VOCAB = 49152
 EOS = 2
@@ -116,7 +118,8 @@ def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, toke
     sched.add_request(free)
     worker = InputBatch()
     out = sched.schedule()
-    assert [s.request_id for s in out.scheduled] == ["f"] and out.grammar_bitmask is None
+    assert [s.request_id for s in out.scheduled] == ["f"] and not out.structured_output_request_ids
+    assert sched.start_grammar_bitmask(out) is None  # nothing to compute, nothing to send
     assert constrained.status == RequestStatus.WAITING_FOR_FSM and sched.has_unfinished_requests()
     sched.check_consistency()
     worker.update(out)
@@ -124,12 +127,16 @@ def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, toke
 
     manager.release.set()
     manager.wait_for_any([constrained.structured_output_request], 10)
-    out = pickle.loads(pickle.dumps(sched.schedule()))  # what a worker process receives
+    out = sched.schedule()
+    grammar = GrammarOutput.from_future(sched.start_grammar_bitmask(out))
+    out, grammar = pickle.loads(pickle.dumps((out, grammar)))  # what a worker process receives
     assert [s.request_id for s in out.scheduled] == ["f", "c"]
-    assert out.structured_output_request_ids == ["c"]
-    batch = {r.request_id: r for r in worker.update(out)}
+    assert out.structured_output_request_ids == ["c"] and grammar.error is None
+    batch = worker.update(out)
+    attach_grammar_bitmask(batch, out.structured_output_request_ids, grammar.grammar_bitmask)
+    batch = {r.request_id: r for r in batch}
     assert batch["f"].grammar_bitmask is None
-    assert allowed_ids(batch["c"].grammar_bitmask) == allowed_ids(out.grammar_bitmask[0])
+    assert allowed_ids(batch["c"].grammar_bitmask) == allowed_ids(grammar.grammar_bitmask[0])
     assert tokenizer.encode("no")[0] in allowed_ids(batch["c"].grammar_bitmask)
 
     # n = 2: the two sequences take different choices, each with its own grammar; "no" completes at once.
@@ -139,7 +146,7 @@ def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, toke
     out = sched.schedule()
     assert out.structured_output_request_ids == ["c"]
     rest = CHOICES[0][len(tokenizer.decode(yes[:1])):]
-    allowed = allowed_ids(out.grammar_bitmask[0])
+    allowed = allowed_ids(sched.start_grammar_bitmask(out).result()[0])
     assert allowed and all(rest.startswith(tokenizer.decode([t])) for t in allowed)
     sched.abort_requests(["c", "f"])
     assert not sched.has_unfinished_requests()

@@ -2,9 +2,12 @@
 text into OpenAI `tool_calls`, whole or as stream deltas.
 
 - a named function (`tool_choice: {"type": "function", ...}`): the output is the arguments, constrained to the
-  function's parameter schema; streamed as argument fragments as they are generated;
+  function's parameter schema;
 - `"required"`: the output is a JSON array of `{"name", "parameters"}` objects, one of the tools' schemas each (vLLM's
-  format); streamed as whole calls once the array is complete;
+  format), parsed as it grows by tool_call_parser.py; a call's arguments are the raw text of its parameters;
+- both stream as OpenAI does: a call's first delta carries its index, id, type and name with empty arguments, the
+  next ones its arguments as they are generated, and the stream reassembles to the non-streamed call byte for
+  byte;
 - `"auto"` (when the chat template renders tools): free text, in which Hermes-style `<tool_call>{"name", "arguments"}
   </tool_call>` blocks become calls; text before the first block is content and is streamed at once, the rest
   is held until the end. Text that does not parse as calls stays content;
@@ -21,6 +24,7 @@ from typing import Any
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.protocol_structured import (ChatCompletionNamedToolChoiceParam, DeltaFunctionCall,
                                                             DeltaToolCall, FunctionCall, ToolCall)
+from pagellm.entrypoints.openai.tool_call_parser import RequiredCallsParser
 from pagellm.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -56,17 +60,21 @@ def tool_call_constraint(request: ChatCompletionRequest, mode: str) -> Structure
     return None
 
 
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 def _tool_call(name: str, arguments: Any) -> ToolCall:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=name, arguments=text))
+    return ToolCall(id=_call_id(), function=FunctionCall(name=name, arguments=text))
 
 
 def _parse_required(text: str) -> list[ToolCall] | None:
-    try:
-        calls = json.loads(text)
-        return [_tool_call(call["name"], call["parameters"]) for call in calls]
-    except (ValueError, TypeError, KeyError):
-        return None  # cut short (max_tokens, a stop string): the text stays content
+    """The calls of a whole array; None when it was cut short (max_tokens, a stop string): the text stays content."""
+    parser = RequiredCallsParser()
+    parser.feed(text)
+    calls = parser.complete_calls()
+    return [_tool_call(call.name, call.arguments) for call in calls] if calls else None
 
 
 def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -115,34 +123,46 @@ class ToolCallStreamer:
 
     mode: str
     request: ChatCompletionRequest
-    text: str = ""  # held back (auto, required), or everything so far (named)
+    text: str = ""  # everything generated so far
     num_sent_calls: int = 0
     content_sent: int = 0  # auto: characters of `text` already sent as content
     calls_started: bool = False  # auto: TOOL_CALL_START seen
-    call_id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    parser: RequiredCallsParser = field(default_factory=RequiredCallsParser)  # required
+    arguments_sent: list[int] = field(default_factory=list)  # named, required: per call, characters sent
 
     def feed(self, delta: str, finished: bool) -> tuple[str | None, list[DeltaToolCall]]:
         if self.mode == "none":
             return delta, []
-        if self.mode == "named":
-            first, self.num_sent_calls = self.num_sent_calls == 0, 1
-            if not delta and not first:
-                return None, []
-            name = self.request.tool_choice.function.name if first else None
-            return None, [DeltaToolCall(index=0, id=self.call_id if first else None,
-                                        type="function" if first else None,
-                                        function=DeltaFunctionCall(name=name, arguments=delta))]
         self.text += delta
+        if self.mode == "named":
+            return None, self._call_deltas(0, self.request.tool_choice.function.name, self.text)
         if self.mode == "required":
-            return (self._finish_required() if finished else (None, []))
+            return self._feed_required(delta, finished)
         return self._feed_auto(finished)
 
-    def _finish_required(self) -> tuple[str | None, list[DeltaToolCall]]:
-        calls = _parse_required(self.text)
-        if not calls:
+    def _feed_required(self, delta: str, finished: bool) -> tuple[str | None, list[DeltaToolCall]]:
+        self.parser.feed(delta)
+        deltas = [d for index, call in enumerate(self.parser.calls)
+                  for d in self._call_deltas(index, call.name, call.arguments)]
+        if finished and not self.num_sent_calls:  # no call began: the text is content, as when not streamed
             return self.text, []
-        self.num_sent_calls = len(calls)
-        return None, [_delta(i, call) for i, call in enumerate(calls)]
+        return None, deltas
+
+    def _call_deltas(self, index: int, name: str | None, arguments: str) -> list[DeltaToolCall]:
+        """What is new of call `index`: its opening delta once its name is known, then its new arguments text."""
+        deltas = []
+        if index == self.num_sent_calls:
+            if name is None:
+                return []
+            self.num_sent_calls += 1
+            self.arguments_sent.append(0)
+            deltas.append(DeltaToolCall(index=index, id=_call_id(), type="function",
+                                        function=DeltaFunctionCall(name=name, arguments="")))
+        if len(arguments) > self.arguments_sent[index]:
+            deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(
+                arguments=arguments[self.arguments_sent[index]:])))
+            self.arguments_sent[index] = len(arguments)
+        return deltas
 
     def _feed_auto(self, finished: bool) -> tuple[str | None, list[DeltaToolCall]]:
         if not self.calls_started:
@@ -164,7 +184,9 @@ class ToolCallStreamer:
         return content or None, [_delta(i, call) for i, call in enumerate(calls)]
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        return tool_finish_reason(engine_reason, self.num_sent_calls > 0)
+        # "required": "tool_calls" only for a whole array, as when not streamed (a stop string may cut it short).
+        made_calls = self.parser.complete_calls() is not None if self.mode == "required" else self.num_sent_calls > 0
+        return tool_finish_reason(engine_reason, made_calls)
 
 
 def tool_finish_reason(engine_reason: str | None, made_calls: bool) -> str | None:

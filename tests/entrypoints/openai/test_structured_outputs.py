@@ -102,7 +102,8 @@ def test_structured_outputs_on_both_endpoints(client):
 
 
 def _reassemble(chunks) -> tuple[dict[int, dict], str, str | None]:
-    """Tool calls by index (id, name, arguments joined), the content, and the last finish reason."""
+    """Tool calls by index (id, name, arguments joined, the deltas themselves), the content, and the last finish
+    reason."""
     calls: dict[int, dict] = {}
     content, finish = "", None
     for chunk in chunks:
@@ -110,10 +111,11 @@ def _reassemble(chunks) -> tuple[dict[int, dict], str, str | None]:
             delta = choice.delta
             content += delta.content or ""
             for call in delta.tool_calls or []:
-                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": "", "deltas": []})
                 entry["id"] = entry["id"] or call.id
                 entry["name"] += (call.function.name or "") if call.function else ""
                 entry["arguments"] += (call.function.arguments or "") if call.function else ""
+                entry["deltas"].append(call)
             finish = choice.finish_reason or finish
     return calls, content, finish
 
@@ -134,9 +136,14 @@ def test_forced_tool_calls_streamed_and_not(client, tool_choice):
         assert [call.function.name for call in calls] == ["get_weather"]
     streamed, content, finish = _reassemble(chat(client, stream=True, **kwargs))
     assert finish == "tool_calls" and not content
-    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(streamed.items())] == [
-        (call.function.name, json.loads(call.function.arguments)) for call in calls]
-    assert all(c["id"] for c in streamed.values())
+    # Byte for byte the non-streamed arguments, streamed as OpenAI does: an opening delta (id, type, name, empty
+    # arguments), then argument fragments as they are generated.
+    assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == [
+        (call.function.name, call.function.arguments) for call in calls]
+    for entry in streamed.values():
+        opening, *fragments = entry["deltas"]
+        assert opening.id and opening.type == "function" and opening.function.name and opening.function.arguments == ""
+        assert len(fragments) > 1 and all(d.function.arguments and not d.id and not d.function.name for d in fragments)
 
 
 def test_auto_parses_hermes_calls_and_none_ignores_tools(client, server):

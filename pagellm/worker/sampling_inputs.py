@@ -1,0 +1,75 @@
+"""The sampler's inputs for a batch: each row's sampling parameters, seeded generator, grammar bitmask, penalties,
+logit bias and bans turned into the tensors of a `SamplingTensors`."""
+from __future__ import annotations
+
+import torch
+
+from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists, unpack_disallowed
+from pagellm.model_executor.layers.sampler import SamplingTensors
+from pagellm.worker.input_batch import BatchedRequest
+
+
+def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: torch.device,
+                           generators: dict[str, torch.Generator]) -> SamplingTensors:
+    """The sampler's tensors for one logits row per entry of `requests`. A seeded request's generator is created in
+    `generators` (keyed by request id) on its first sample and advanced from then on."""
+    params = [r.sampling_params for r in requests]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    row_generators = {}
+    for row, (request, p) in enumerate(zip(requests, params)):
+        if p.seed is not None and not p.is_greedy:
+            generator = generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device).manual_seed(p.seed)
+                generators[request.request_id] = generator
+            row_generators[row] = generator
+    tensors = SamplingTensors(
+        temperature=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
+                                 dtype=torch.float32, device=device),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        all_greedy=all(p.is_greedy for p in params),
+        needs_top_k=any(k < vocab for k in top_k),
+        needs_top_p=any(p.top_p < 1.0 for p in params),
+        generators=row_generators,
+        num_logprobs=[p.logprobs for p in params],
+    )
+    constrained = [row for row, r in enumerate(requests) if r.grammar_bitmask is not None]
+    if constrained:
+        disallowed = unpack_disallowed([requests[row].grammar_bitmask for row in constrained], vocab)
+        rows = None if len(constrained) == len(requests) else torch.tensor(constrained, device=device)
+        tensors.disallowed_tokens = (rows, disallowed.to(device))
+    if any(p.min_p > 0.0 and not p.is_greedy for p in params):
+        tensors.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    if any(p.needs_penalties for p in params):
+        # Token lists only for the rows with a penalty; the others get padding (no effect).
+        penalized = [p.needs_penalties for p in params]
+        tensors.prompt_tokens = pad_token_lists(
+            [r.prompt_token_ids if on else () for r, on in zip(requests, penalized)], vocab, device)
+        tensors.output_tokens = pad_token_lists(
+            [r.output_token_ids if on else () for r, on in zip(requests, penalized)], vocab, device)
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+            setattr(tensors, name, torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
+                                                device=device))
+    bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
+    for row, (request, p) in enumerate(zip(requests, params)):
+        if p.logit_bias:
+            bias_rows += [row] * len(p.logit_bias)
+            bias_ids += list(p.logit_bias)
+            bias_values += list(p.logit_bias.values())
+        banned = []
+        if request.bad_words_token_ids:
+            banned += bad_words_bans(request.bad_words_token_ids, request.output_token_ids)
+        if len(request.output_token_ids) < p.min_tokens:
+            banned += p.stop_token_ids
+            if not p.ignore_eos:
+                banned += request.eos_token_ids
+        ban_rows += [row] * len(banned)
+        ban_ids += banned
+    if bias_rows:
+        tensors.logit_bias = (torch.tensor(bias_rows, device=device),
+                              torch.tensor(bias_ids, device=device),
+                              torch.tensor(bias_values, dtype=torch.float32, device=device))
+    if ban_rows:
+        tensors.bans = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
+    return tensors
