@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
@@ -27,12 +26,8 @@ PARAMS = {"greedy": SamplingParams(temperature=0, max_tokens=10, ignore_eos=True
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_factory) -> LLMEngine:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLMEngine.from_engine_args(EngineArgs(model=tiny_model_factory("llama"), max_model_len=128,
-                                                kv_cache_memory_bytes=2 << 20))
-    torch.set_num_threads(previous)
+def engine(one_thread_engine) -> LLMEngine:
+    return one_thread_engine
 
 
 def runner(engine: LLMEngine):

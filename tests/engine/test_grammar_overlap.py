@@ -9,9 +9,7 @@ import re
 import time
 
 import pytest
-import torch
 
-from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.exceptions import RequestFailedError
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -24,12 +22,8 @@ FREE = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_factory) -> LLMEngine:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLMEngine.from_engine_args(EngineArgs(model=tiny_model_factory("llama"), max_model_len=128,
-                                                kv_cache_memory_bytes=1 << 20))
-    torch.set_num_threads(previous)
+def engine(one_thread_engine) -> LLMEngine:
+    return one_thread_engine
 
 
 def run(engine: LLMEngine, requests: dict[str, SamplingParams]) -> tuple[dict[str, list[int]], dict[str, str], str]:
