@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from engine_steps import step_until_done
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
@@ -61,16 +62,8 @@ def run(engine: LLMEngine, names) -> tuple[dict[str, list[list[int]]], dict[str,
     """Add the named requests, step until done; returns (token ids of each finished sequence, failures)."""
     for name in names:
         engine.add_request(name, PROMPTS[name], PARAMS[name])
-    tokens, failures = {}, {}
-    while engine.has_unfinished_requests():
-        try:
-            finished, _ = engine.step()
-        except RequestFailedError as exc:  # the others' outputs of that step come with it
-            failures.update(exc.errors)
-            finished = exc.outputs
-        for output in finished:
-            tokens[output.request_id] = [c.token_ids for c in output.outputs]
-    return tokens, failures
+    outputs, failures = step_until_done(engine)
+    return {request_id: [c.token_ids for c in output.outputs] for request_id, output in outputs.items()}, failures
 
 
 def test_a_request_whose_sampling_fails_fails_alone(engine, monkeypatch):
@@ -113,14 +106,7 @@ def test_prompt_logprobs_failure_fails_that_request_only(engine, monkeypatch):
     monkeypatch.setitem(model_runner.compute_prompt_logprobs.__globals__, "gather_logprobs", faulty)
     engine.add_request("asks", "Hello there my friend", SamplingParams(max_tokens=3, prompt_logprobs=3))
     engine.add_request("fine", "Hello there my friend", SamplingParams(max_tokens=3, prompt_logprobs=1))
-    tokens, failures = {}, {}
-    while engine.has_unfinished_requests():
-        try:
-            finished, _ = engine.step()
-        except RequestFailedError as exc:
-            failures.update(exc.errors)
-            finished = exc.outputs
-        tokens.update((output.request_id, output) for output in finished)
+    tokens, failures = step_until_done(engine)
     assert list(failures) == ["asks"] and list(tokens) == ["fine"]
     assert len(tokens["fine"].prompt_logprobs) == len(tokens["fine"].prompt_token_ids)
     assert used_blocks(engine) == 0

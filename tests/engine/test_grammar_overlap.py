@@ -9,9 +9,9 @@ import re
 import time
 
 import pytest
+from engine_steps import step_until_done
 
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.exceptions import RequestFailedError
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceGrammar
 
@@ -30,17 +30,9 @@ def run(engine: LLMEngine, requests: dict[str, SamplingParams]) -> tuple[dict[st
     """Step until done; returns (token ids per request, failures, the constrained request's text)."""
     for request_id, params in requests.items():
         engine.add_request(request_id, {"prompt_token_ids": [100, 200, 300, 400]}, params)
-    tokens, failures, text = {}, {}, ""
-    while engine.has_unfinished_requests():
-        try:
-            finished, _ = engine.step()
-        except RequestFailedError as exc:
-            failures.update(exc.errors)
-            finished = exc.outputs
-        for output in finished:
-            tokens[output.request_id] = output.outputs[0].token_ids
-            text = output.outputs[0].text if output.request_id == "c" else text
-    return tokens, failures, text
+    outputs, failures = step_until_done(engine)
+    tokens = {request_id: output.outputs[0].token_ids for request_id, output in outputs.items()}
+    return tokens, failures, outputs["c"].outputs[0].text if "c" in outputs else ""
 
 
 def test_the_bitmask_is_computed_during_the_forward_pass(engine, monkeypatch):
