@@ -78,7 +78,7 @@ class PackedMatmul:
     rewritten into the interleaved layout here: `weight` is then the only copy, and `dequantize` /
     `dequantize_rows` read it."""
 
-    __slots__ = ("weight", "qtype", "in_features", "out_features", "_matrix", "pointer", "_run")
+    __slots__ = ("weight", "in_features", "out_features", "_matrix", "pointer", "_run")
 
     def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int) -> None:
         if qweight.shape[1] != row_bytes(qtype, in_features):
@@ -91,7 +91,6 @@ class PackedMatmul:
             grouped_rows = load().pagellm_interleave(int(qtype), plain.data_ptr(), plain.shape[0], plain.shape[1],
                                                      qweight.data_ptr())
         self.weight = qweight  # keeps the memory the kernel reads alive
-        self.qtype = int(qtype)
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self._matrix = _Matrix(int(qtype), int(use_avx2()), qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
                                in_features, grouped_rows)
