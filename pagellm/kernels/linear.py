@@ -69,7 +69,7 @@ def _check(status: int, what: str) -> None:
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("use_avx2", ctypes.c_int32), ("w", _PTR), ("row_bytes", _I64),
-                ("n", _I64), ("k", _I64), ("grouped_rows", _I64)]
+                ("n", _I64), ("k", _I64), ("grouped_rows", _I64), ("num_parts", _I64), ("parts", _PTR)]
 
 
 class PackedMatmul:
@@ -78,7 +78,7 @@ class PackedMatmul:
     rewritten into the interleaved layout here: `weight` is then the only copy, and `dequantize` /
     `dequantize_rows` read it."""
 
-    __slots__ = ("weight", "in_features", "out_features", "_matrix", "pointer", "_run")
+    __slots__ = ("weight", "parts", "in_features", "out_features", "_matrix", "_part_matrices", "pointer", "_run")
 
     def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int) -> None:
         if qweight.shape[1] != row_bytes(qtype, in_features):
@@ -91,11 +91,29 @@ class PackedMatmul:
             grouped_rows = load().pagellm_interleave(int(qtype), plain.data_ptr(), plain.shape[0], plain.shape[1],
                                                      qweight.data_ptr())
         self.weight = qweight  # keeps the memory the kernel reads alive
+        self.parts: tuple[PackedMatmul, ...] = ()
+        self._part_matrices = None
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self._matrix = _Matrix(int(qtype), int(use_avx2()), qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
-                               in_features, grouped_rows)
+                               in_features, grouped_rows, 0, None)
         self.pointer = ctypes.addressof(self._matrix)  # what the fused decoder (kernels.decoder) passes to C
         self._run = load().pagellm_matmul
+
+    @classmethod
+    def stack(cls, parts: list[PackedMatmul]) -> PackedMatmul:
+        """Matrices of one input stacked along the output, each in its own storage type (a fused q|k|v whose v the
+        file stores in another type than q and k): one call computes them all, in order."""
+        if len({p.in_features for p in parts}) != 1 or any(p.parts for p in parts):
+            raise ValueError("stacked matrices take the same input and are not stacks themselves")
+        stacked = cls.__new__(cls)
+        stacked.weight, stacked.parts = None, tuple(parts)
+        stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+        stacked._part_matrices = (_Matrix * len(parts))(*(p._matrix for p in parts))  # copies the C side reads
+        stacked._matrix = _Matrix(0, 0, None, 0, stacked.out_features, stacked.in_features, 0, len(parts),
+                                  ctypes.addressof(stacked._part_matrices))
+        stacked.pointer = ctypes.addressof(stacked._matrix)
+        stacked._run = load().pagellm_matmul
+        return stacked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:  # the C side reads raw float32 memory
@@ -112,6 +130,8 @@ class PackedMatmul:
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in_features] (an embedding lookup), exactly as ggml dequantizes."""
+        if self.parts:
+            return self.dequantize()[ids]
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.shape[0], self.in_features, dtype=torch.float32)
         _check(load().pagellm_dequantize_rows(self.pointer, flat.data_ptr(), flat.shape[0], out.data_ptr(),
@@ -120,4 +140,6 @@ class PackedMatmul:
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix as float32 [out_features, in_features]."""
+        if self.parts:
+            return torch.cat([part.dequantize() for part in self.parts])
         return self.dequantize_rows(torch.arange(self.out_features))

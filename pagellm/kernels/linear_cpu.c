@@ -26,11 +26,16 @@
 #define TILE_ROWS 4
 #define MR 3 /* activation rows per micro-kernel call */
 
-/* The weight as Python describes it once (kernels/linear.py `_Matrix`); the fused decoder passes these around. */
-typedef struct {
+/* The weight as Python describes it once (kernels/linear.py `_Matrix`); the fused decoder passes these around. A
+ * stack (num_parts > 0) is several matrices of one input stacked along the output, each in its own storage type
+ * (a fused q|k|v whose v the file stores in another type): `parts` describes them and the other fields but n and
+ * k are unused. */
+typedef struct pagellm_matrix {
     int32_t type, use_avx2;
     const uint8_t *w;
     int64_t row_bytes, n, k, grouped_rows; /* grouped_rows: rows [0, grouped_rows) interleaved by four */
+    int64_t num_parts;
+    const struct pagellm_matrix *parts;
 } pagellm_matrix;
 
 static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, float *dst) {
@@ -357,6 +362,7 @@ int pagellm_cpu_has_avx2(void) { return 0; }
 /* ---- entry points ------------------------------------------------------------------------------------- */
 
 static int valid(const pagellm_matrix *w) {
+    if (w->num_parts) return 0; /* only pagellm_matmul takes a stack */
     if (is_float_type(w->type)) return w->row_bytes >= w->k * element_bytes(w->type);
     if (is_k_type(w->type))
         return w->k % 256 == 0 && w->row_bytes == w->k / 256 * super_block_bytes(w->type) && w->grouped_rows == 0;
@@ -399,11 +405,11 @@ int64_t pagellm_interleave(int type, const uint8_t *src, int64_t n, int64_t row_
     return grouped;
 }
 
-/* out [m, n] (contiguous) = x [m, k] (row stride ldx) times W^T. Returns 0, -1 for an invalid matrix, -2 when a
- * buffer cannot be allocated. */
-int pagellm_matmul(const pagellm_matrix *w, const float *x, int64_t m, int64_t ldx, float *out, int nthreads) {
+/* out [m, n] (row stride ldo) = x [m, k] (row stride ldx) times W^T for one matrix (not a stack). */
+static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64_t ldx, float *out, int64_t ldo,
+                       int nthreads) {
     if (!valid(w)) return -1;
-    const int64_t n = w->n, k = w->k, ldo = n;
+    const int64_t n = w->n, k = w->k;
 #if HAVE_X86
     if (w->use_avx2 && m <= FUSED_MAX_M && k % 32 == 0) {
         float *xsum = malloc((size_t)(m * (k / 32)) * sizeof(float));
@@ -453,4 +459,19 @@ int pagellm_matmul(const pagellm_matrix *w, const float *x, int64_t m, int64_t l
         free(buffer);
     }
     return status;
+}
+
+/* out [m, n] (contiguous) = x [m, k] (row stride ldx) times W^T; a stack's parts fill their columns in turn.
+ * Returns 0, -1 for an invalid matrix, -2 when a buffer cannot be allocated. */
+int pagellm_matmul(const pagellm_matrix *w, const float *x, int64_t m, int64_t ldx, float *out, int nthreads) {
+    if (w->num_parts == 0) return matmul_into(w, x, m, ldx, out, w->n, nthreads);
+    int64_t column = 0;
+    for (int64_t i = 0; i < w->num_parts; i++) {
+        const pagellm_matrix *part = w->parts + i;
+        if (part->num_parts || part->k != w->k || column + part->n > w->n) return -1;
+        const int status = matmul_into(part, x, m, ldx, out + column, w->n, nthreads);
+        if (status) return status;
+        column += part->n;
+    }
+    return column == w->n ? 0 : -1;
 }

@@ -90,7 +90,7 @@ def _rank_outputs() -> dict:
             row=[row(t[x][:, rank * 32:(rank + 1) * 32]) for x in ("x", "x_long")],
             unaligned=unaligned(t["x_unaligned"][:, rank * 48:(rank + 1) * 48]),
             embedding=embedding(t["ids"]), tied_logits=embedding.compute_logits(t["x"]), head_logits=head(t["x"]),
-            packed={name: layer.qweight_type for name, layer in
+            packed={name: layer.packed_types for name, layer in
                     dict(column=column, merged=merged, row=row, unaligned=unaligned, embedding=embedding).items()})
     return out
 
@@ -120,7 +120,7 @@ def test_column_parallel_outputs_are_slices_of_the_full_output(rank_outputs, sto
         for got, x in zip(out["merged"], ("x", "x_long")):
             gate, up = (_linear(t[x], _full(t[name], storage)) for name in ("gate", "up"))
             assert_close(got, torch.cat([gate[:, half], up[:, half]], dim=1))
-        assert out["packed"]["column"] == out["packed"]["merged"] == (QT.Q8_0 if storage == "q8_0" else None)
+        assert out["packed"]["column"] == out["packed"]["merged"] == ((QT.Q8_0,) if storage == "q8_0" else ())
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -147,8 +147,8 @@ def test_row_parallel_sums_to_the_full_output(rank_outputs, storage):
         for got, x in zip(out["row"], ("x", "x_long")):
             assert_close(got, _linear(t[x], _full(t["row"], storage), t["row_bias"]))
         assert_close(out["unaligned"], _linear(t["x_unaligned"], _full(t["row_unaligned"], storage, QT.Q4_0)))
-        assert out["packed"]["row"] == (QT.Q8_0 if storage == "q8_0" else None)
-        assert out["packed"]["unaligned"] is None  # dequantized: the split falls inside Q4_0 blocks
+        assert out["packed"]["row"] == ((QT.Q8_0,) if storage == "q8_0" else ())
+        assert out["packed"]["unaligned"] == ()  # dequantized: the split falls inside Q4_0 blocks
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -162,7 +162,7 @@ def test_vocab_parallel_embedding_and_lm_head(rank_outputs, storage):
         assert out["tied_logits"].shape == (3, 51)
         assert_close(out["tied_logits"], _linear(t["x"], vocab))
         assert_close(out["head_logits"], _linear(t["x"], vocab))
-        assert out["packed"]["embedding"] == (QT.Q8_0 if storage == "q8_0" else None)
+        assert out["packed"]["embedding"] == ((QT.Q8_0,) if storage == "q8_0" else ())
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

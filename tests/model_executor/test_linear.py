@@ -26,7 +26,7 @@ def test_packed_linear_equals_float_linear(num_rows):
     layer = Linear(96, 48, bias=True)
     layer.bias.data.normal_()
     layer.load_weight(weight, "gguf")
-    assert layer.qweight_type == QT.Q4_1 and "weight" not in dict(layer.named_parameters())
+    assert layer.packed_types == (QT.Q4_1,) and "weight" not in dict(layer.named_parameters())
     x = torch.randn(num_rows, 96)
     want = torch.nn.functional.linear(x.double(), weight.dequantize().double(), layer.bias.double())
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
@@ -35,13 +35,13 @@ def test_packed_linear_equals_float_linear(num_rows):
 def test_quantization_none_dequantizes_and_unsupported_types_fall_back():
     layer = Linear(96, 48)
     layer.load_weight(packed(48, 96, QT.Q8_0), "none")
-    assert layer.qweight_type is None
+    assert not layer.packed_types
     torch.testing.assert_close(layer.weight.data, packed(48, 96, QT.Q8_0).dequantize(), rtol=0, atol=0)
 
     q5_k = PackedTensor(QT.Q5_K, torch.zeros(4, 176, dtype=torch.uint8), (4, 256))
     layer = Linear(256, 4)
     layer.load_weight(q5_k, "gguf")  # no kernel for Q5_K: float32, exactly dequantized
-    assert layer.qweight_type is None and torch.equal(layer.weight.data, q5_k.dequantize())
+    assert not layer.packed_types and torch.equal(layer.weight.data, q5_k.dequantize())
 
 
 def test_k_quants_stay_packed():
@@ -51,7 +51,7 @@ def test_k_quants_stay_packed():
     q6_k = PackedTensor(QT.Q6_K, torch.from_numpy(blocks.reshape(6, -1)), (6, 512))
     layer = Linear(512, 6)
     layer.load_weight(q6_k, "gguf")
-    assert layer.qweight_type == QT.Q6_K
+    assert layer.packed_types == (QT.Q6_K,)
     x = torch.randn(2, 512)
     torch.testing.assert_close(layer(x).double(), x.double() @ q6_k.dequantize().double().T, rtol=1e-5, atol=1e-5)
 
@@ -69,17 +69,31 @@ def test_merged_linear_packs_when_all_shards_share_a_type():
     shards = [packed(32, 64, QT.Q4_0, 1), packed(16, 64, QT.Q4_0, 2), packed(16, 64, QT.Q4_0, 3)]
     for index in (2, 0, 1):  # any order
         layer.load_shard(shards[index], index, "gguf")
-    assert layer.qweight_type == QT.Q4_0 and not layer.has_pending_shards
+    assert layer.packed_types == (QT.Q4_0,) and not layer.has_pending_shards
     x = torch.randn(3, 64)
     want = torch.cat([x @ s.dequantize().T for s in shards], dim=1)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
+
+@pytest.mark.parametrize("num_rows", [1, 3, linear_module.KERNEL_MAX_ROWS + 1])
+def test_merged_linear_stacks_shards_of_different_types(num_rows):
+    """A Q8_0 part beside a Q4_0 one (as llama.cpp's K_M mixes write v_proj or ffn parts): each stays packed in its
+    own type and one kernel call computes both; prefill-sized inputs use the stack dequantized."""
+    shards = [packed(32, 64, QT.Q4_0, 1), packed(16, 64, QT.Q8_0, 2)]
     mixed = MergedColumnParallelLinear(64, [32, 16])
-    mixed.load_shard(packed(32, 64, QT.Q4_0, 1), 0, "gguf")
+    mixed.load_shard(shards[0], 0, "gguf")
     assert mixed.has_pending_shards
-    mixed.load_shard(packed(16, 64, QT.Q8_0, 2), 1, "gguf")
-    assert mixed.qweight_type is None
-    torch.testing.assert_close(mixed.weight.data[32:], packed(16, 64, QT.Q8_0, 2).dequantize(), rtol=0, atol=0)
+    mixed.load_shard(shards[1], 1, "gguf")
+    assert mixed.packed_types == (QT.Q4_0, QT.Q8_0) and "weight" not in dict(mixed.named_parameters())
+    x = torch.randn(num_rows, 64)
+    want = torch.cat([x @ s.dequantize().T for s in shards], dim=1)
+    torch.testing.assert_close(mixed(x), want, rtol=1e-5, atol=1e-5)
+
+    float_beside_packed = MergedColumnParallelLinear(64, [32, 16])
+    float_beside_packed.load_shard(shards[0], 0, "gguf")
+    float_beside_packed.load_shard(torch.randn(16, 64), 1, "gguf")
+    assert not float_beside_packed.packed_types  # one float matrix
+    torch.testing.assert_close(float_beside_packed.weight.data[:32], shards[0].dequantize(), rtol=0, atol=0)
 
 
 def test_shape_mismatch_is_an_error():
@@ -104,10 +118,10 @@ def test_int8_quantization_of_float_weights():
     weight = torch.randn(24, 96)
     layer = Linear(96, 24)
     layer.load_weight(weight, "int8")
-    assert layer.qweight_type == QT.Q8_0
+    assert layer.packed_types == (QT.Q8_0,)
     step = weight.abs().reshape(24, 3, 32).amax(dim=-1, keepdim=True) / 127
     error = (quantize_q8_0(weight).dequantize() - weight).abs().reshape(24, 3, 32)
     assert torch.all(error <= step * (0.5 + 127 / 2048))  # half a step, plus the float16 rounding of the scale
     odd = Linear(45, 8)  # rows that are not whole blocks stay float
     odd.load_weight(torch.randn(8, 45), "int8")
-    assert odd.qweight_type is None
+    assert not odd.packed_types

@@ -4,7 +4,8 @@ with no communication between them, and each row-parallel output is summed over 
 
 Fusing q/k/v and gate/up into one matmul each halves the number of kernel launches per layer; a fused layer is
 loaded shard by shard and stored once all its shards are in. A packed weight (`qweight`: ggml blocks of type
-`qweight_type`, in the kernel's interleaved layout) is multiplied by the C kernel (`kernels.linear`), which
+`packed_types`, in the kernel's interleaved layout; a fused layer whose parts the file stores in different types
+keeps one `qweight_i` per part) is multiplied by the C kernel (`kernels.linear`), which
 dequantizes in registers, for up to KERNEL_MAX_ROWS activation rows; longer inputs (prefill) dequantize it into a
 float32 matrix for PyTorch's GEMM, where the arithmetic dwarfs the conversion. Float32 weights on the CPU also go
 through the kernel for up to KERNEL_MAX_ROWS rows: PyTorch's GEMV runs far below the memory bandwidth, and at
@@ -41,7 +42,9 @@ class Linear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.qweight_type: int | None = None  # set when the weight is packed (then `qweight` replaces `weight`)
+        # Storage types of the packed matrix, one per stacked part (a fused q|k|v may hold v in another type); empty
+        # when the weight is float. Packed parts replace `weight` with `qweight` buffers in the kernel's layout.
+        self.packed_types: tuple[int, ...] = ()
         # The C kernel bound to this weight once loaded (packed, or float32 on the CPU); the fused decoder uses it too.
         self.kernel: kernels.PackedMatmul | None = None
 
@@ -52,13 +55,10 @@ class Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, without the bias."""
         if self.kernel is not None:
-            rows = x.numel() // self.input_size
-            if self.qweight_type is not None:
-                if rows <= KERNEL_MAX_ROWS:
-                    return self.kernel(x)
-                return nn.functional.linear(x, self.kernel.dequantize())
-            if rows <= KERNEL_MAX_ROWS and x.dtype == torch.float32:
+            if x.numel() // self.input_size <= KERNEL_MAX_ROWS and x.dtype == torch.float32:
                 return self.kernel(x)
+            if self.packed_types:
+                return nn.functional.linear(x, self.kernel.dequantize())
         return nn.functional.linear(x, self.weight)
 
     def load_weight(self, loaded: Weight, quantization: str) -> None:
@@ -67,18 +67,25 @@ class Linear(nn.Module):
         check_shape(loaded, (self.output_size, self.input_size))
         self._store(loaded, quantization)
 
-    def _store(self, loaded: Weight, quantization: str) -> None:
-        """Keep this rank's matrix [output_size, input_size]."""
-        packed = loaded if isinstance(loaded, PackedTensor) else None
-        if packed is None and quantization == "int8" and self.input_size % 32 == 0:
-            packed = quantize_q8_0(loaded)
-        if packed is not None and quantization != "none" and _kernel_can_pack(packed.qtype, self.weight):
+    def _store(self, loaded: Weight | list[PackedTensor], quantization: str) -> None:
+        """Keep this rank's matrix [output_size, input_size]; a list is packed parts of different storage types,
+        stacked along the output."""
+        parts = loaded if isinstance(loaded, list) else [loaded]
+        if quantization == "int8" and isinstance(loaded, torch.Tensor) and self.input_size % 32 == 0:
+            parts = [quantize_q8_0(loaded)]
+        if quantization != "none" and all(isinstance(p, PackedTensor) and _kernel_can_pack(p.qtype, self.weight)
+                                          for p in parts):
             del self.weight
-            self.kernel = kernels.PackedMatmul(packed.data, packed.qtype, self.input_size)
-            self.register_buffer("qweight", self.kernel.weight, persistent=False)  # in the kernel's layout
-            self.qweight_type = int(packed.qtype)
+            matmuls = [kernels.PackedMatmul(p.data, p.qtype, self.input_size) for p in parts]
+            for i, matmul in enumerate(matmuls):  # the weights in the kernel's layout
+                self.register_buffer("qweight" if len(parts) == 1 else f"qweight_{i}", matmul.weight,
+                                     persistent=False)
+            self.kernel = matmuls[0] if len(parts) == 1 else kernels.PackedMatmul.stack(matmuls)
+            self.packed_types = tuple(int(p.qtype) for p in parts)
             return
-        self.weight.data.copy_(packed.dequantize() if packed is not None else loaded)
+        if not isinstance(loaded, torch.Tensor):
+            loaded = torch.cat([p.dequantize() for p in parts])
+        self.weight.data.copy_(loaded)
         if _kernel_can_pack(kernels.T.F32, self.weight) and self.input_size % 32 == 0:
             self.kernel = kernels.PackedMatmul(self.weight.data.view(torch.uint8), kernels.T.F32, self.input_size)
 
@@ -143,7 +150,9 @@ class ColumnParallelLinear(Linear):
         elif len(types) == 1 and None not in types:
             stacked = PackedTensor(shards[0].qtype, torch.cat([s.data for s in shards]),
                                    (self.output_size, self.input_size))
-        else:  # mixed storage (e.g. a Q6_K v_proj beside Q4_K q/k): one float matrix
+        elif None not in types:  # packed in different types (a Q6_K v_proj beside Q4_K q/k): a stack of parts
+            stacked = shards
+        else:  # float beside packed: one float matrix
             stacked = torch.cat([s.dequantize() if isinstance(s, PackedTensor) else s for s in shards])
         self._store(stacked, quantization)
 

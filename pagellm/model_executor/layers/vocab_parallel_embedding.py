@@ -43,7 +43,7 @@ class VocabParallelEmbedding(Linear):
         return self.tp.all_reduce(embeddings)
 
     def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
-        if self.qweight_type is not None:
+        if self.packed_types:
             return self.kernel.dequantize_rows(local_ids)
         return nn.functional.embedding(local_ids, self.weight)
 
