@@ -166,10 +166,15 @@ AVX2 static inline float half_avx2(const uint8_t *p) { return _cvtsh_ss(load_u16
 /* 8 bytes at the low half of v as 8 floats, signed or unsigned. */
 AVX2 static inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-/* The block's integer levels as four vectors of 8 floats (elements 0..31 in order), with ggml's offset (q - 8 for
- * Q4_0, q - 16 for Q5_0); the scales are read apart. Two loads of 8 bytes widened to int32 lanes give elements
- * 0..7 and 8..15 (low nibbles) and 16..23 and 24..31 (high nibbles) with one AND or shift each. */
-AVX2 static inline __attribute__((always_inline)) void block_levels(const int type, block_ref ref, __m256 f[4]) {
+/* ggml's offset of a type without a minimum: its weights are d (q - offset). */
+static inline int level_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0; }
+
+/* The block's integer levels as four vectors of 8 floats (elements 0..31 in order), less ggml's offset when
+ * `with_offset` (the products regroup it with the minimum instead); the scales are read apart. Two loads of 8
+ * bytes widened to int32 lanes give elements 0..7 and 8..15 (low nibbles) and 16..23 and 24..31 (high nibbles)
+ * with one AND or shift each. */
+AVX2 static inline __attribute__((always_inline)) void block_levels(const int type, block_ref ref, __m256 f[4],
+                                                                    const int with_offset) {
     if (type == T_Q8_0) {
         for (int p = 0; p < 4; p++) f[p] = i8_to_ps(_mm_loadl_epi64((const __m128i *)(ref.qs + 8 * p)));
         return;
@@ -178,16 +183,20 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
     const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ref.qs));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ref.qs + 8)));
     __m256i q[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_srli_epi32(a, 4), _mm256_srli_epi32(b, 4)};
-    if (five_bit(type)) { /* bit e of qh is the fifth bit of element e */
-        const __m256i qh = _mm256_set1_epi32((int)load_u32(ref.qh));
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+    if (five_bit(type)) {
+        /* Bit e of qh is the fifth bit of element e: one shift per vector brings it to bit 4 of lane e, from qh << 4
+         * for elements 0..15 and from qh >> 12 for 16..31. */
+        const uint32_t qh = load_u32(ref.qh);
+        const __m256i from_low = _mm256_set1_epi32((int)(qh << 4)), from_high = _mm256_set1_epi32((int)(qh >> 12));
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), bit4 = _mm256_set1_epi32(16);
         for (int p = 0; p < 4; p++) {
-            const __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * p))), one);
-            q[p] = _mm256_or_si256(q[p], _mm256_slli_epi32(bit, 4));
+            const __m256i shift = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * (p & 1)));
+            q[p] = _mm256_or_si256(q[p], _mm256_and_si256(_mm256_srlv_epi32(p < 2 ? from_low : from_high, shift), bit4));
         }
     }
-    const __m256i offset = _mm256_set1_epi32(five_bit(type) ? 16 : 8);
-    for (int p = 0; p < 4; p++) f[p] = _mm256_cvtepi32_ps(has_min(type) ? q[p] : _mm256_sub_epi32(q[p], offset));
+    const __m256i offset = _mm256_set1_epi32(level_offset(type));
+    for (int p = 0; p < 4; p++)
+        f[p] = _mm256_cvtepi32_ps(with_offset && level_offset(type) ? _mm256_sub_epi32(q[p], offset) : q[p]);
 }
 
 /* Q4_K sub-block j's 32 levels: the low (j even) or high (j odd) nibbles of its 32 bytes q. */
@@ -239,7 +248,7 @@ AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, fl
 /* A block of a block type as 32 floats, bit-identical to dequant_block_scalar. */
 AVX2 static inline void dequant_block_avx2(int type, block_ref ref, float *dst) {
     __m256 f[4];
-    block_levels(type, ref, f);
+    block_levels(type, ref, f, 1);
     const __m256 d = _mm256_set1_ps(half_avx2(ref.d));
     const __m256 m = _mm256_set1_ps(has_min(type) ? half_avx2(ref.m) : 0.0f);
     for (int p = 0; p < 4; p++) /* ggml: d * q (+ m); Q8_0: q * d */

@@ -189,9 +189,9 @@ AVX2 static inline __attribute__((always_inline)) void fused_rows(
                         acc[i][p] = _mm256_fmadd_ps(f[p], _mm256_loadu_ps(xb + i * ldx + 8 * p), acc[i][p]);
                 continue;
             }
-            block_levels(type, ref, f);
-            const __m256 dv = _mm256_set1_ps(half_avx2(ref.d));
-            const float mn = has_min(type) ? half_avx2(ref.m) : 0.0f;
+            block_levels(type, ref, f, 0);
+            const float d = half_avx2(ref.d), mn = has_min(type) ? half_avx2(ref.m) : -(float)level_offset(type) * d;
+            const __m256 dv = _mm256_set1_ps(d);
             for (int i = 0; i < m; i++) {
                 /* The block's dot product is independent of the accumulator, so only one FMA per block sits on
                  * the loop-carried chain. */
@@ -199,7 +199,7 @@ AVX2 static inline __attribute__((always_inline)) void fused_rows(
                 const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xi + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xi)));
                 const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xi + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xi + 16)));
                 acc[i][0] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), dv, acc[i][0]);
-                if (has_min(type)) min_acc[i] += mn * xsum[i * blocks + b];
+                if (has_min(type) || level_offset(type)) min_acc[i] += mn * xsum[i * blocks + b];
             }
         }
         for (int i = 0; i < m; i++) {
@@ -211,7 +211,8 @@ AVX2 static inline __attribute__((always_inline)) void fused_rows(
 
 /* m activation rows against an interleaved group of four weight rows: one load gives the four rows' scales (and
  * minimums), each block is decoded once for the m rows, and the 4 m accumulators are independent chains. The
- * minimums' term sum_b m_b xsum_b of the four rows builds up in lanes 4..7 of one vector per activation row. */
+ * minimums' term sum_b m_b xsum_b of the four rows builds up in one vector per activation row: lanes 4..7 from the
+ * minimums, or lanes 0..3 from -offset d (ggml's q - offset regrouped as d q - offset d). */
 AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type, const int m, const uint8_t *group,
                                                                   int64_t blocks, const float *x, int64_t ldx,
                                                                   const float *xsum, float *out, int64_t ldo) {
@@ -225,12 +226,13 @@ AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type
         /* d0..d3 and, for types with a minimum, m0..m3 */
         const __m256 scales = _mm256_cvtph_ps(has_min(type) ? _mm_loadu_si128((const __m128i *)group)
                                                             : _mm_loadl_epi64((const __m128i *)group));
-        if (has_min(type))
-            for (int a = 0; a < m; a++)
-                min_acc[a] = _mm256_fmadd_ps(scales, _mm256_broadcast_ss(xsum + a * blocks + b), min_acc[a]);
+        for (int a = 0; a < m && (has_min(type) || level_offset(type)); a++) {
+            const float sum = has_min(type) ? xsum[a * blocks + b] : -(float)level_offset(type) * xsum[a * blocks + b];
+            min_acc[a] = _mm256_fmadd_ps(scales, _mm256_set1_ps(sum), min_acc[a]);
+        }
         for (int i = 0; i < 4; i++) {
             __m256 f[4];
-            block_levels(type, group_block(type, group, i), f);
+            block_levels(type, group_block(type, group, i), f, 0);
             const __m256 d = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(i));
             for (int a = 0; a < m; a++) {
                 const float *xb = x + a * ldx + 32 * b;
@@ -245,7 +247,7 @@ AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type
     for (int a = 0; a < m; a++) {
         float mins[8];
         _mm256_storeu_ps(mins, min_acc[a]);
-        for (int i = 0; i < 4; i++) out[a * ldo + i] = hsum(acc[a][i]) + (has_min(type) ? mins[4 + i] : 0.0f);
+        for (int i = 0; i < 4; i++) out[a * ldo + i] = hsum(acc[a][i]) + (has_min(type) ? mins[4 + i] : mins[i]);
     }
 }
 
