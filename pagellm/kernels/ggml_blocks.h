@@ -207,6 +207,16 @@ AVX2 static inline __attribute__((always_inline)) void q4k_levels(const uint8_t 
     }
 }
 
+/* Q4_K: the eight sub-block scales times d and minimums times dmin, as ggml rounds them (d * sc, dmin * m), from
+ * the 12 packed bytes: all eight 6-bit values at once, four per 32-bit word. */
+AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *sb, __m256 *d_sc, __m256 *dmin_m) {
+    const uint32_t w0 = load_u32(sb + 4), w1 = load_u32(sb + 8), w2 = load_u32(sb + 12);
+    const uint64_t sc = (uint64_t)(w0 & 0x3f3f3f3fu) | (uint64_t)((w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t m = (uint64_t)(w1 & 0x3f3f3f3fu) | (uint64_t)(((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+    *d_sc = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    *dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m))));
+}
+
 /* Q6_K: the 32 levels (q - 32) of quarter t (0..3) of a half super-block (ql: its 64 bytes, qh: its 32). */
 AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t *ql, const uint8_t *qh, int t,
                                                                   __m256 f[4]) {
@@ -214,7 +224,9 @@ AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t 
         const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 * (t & 1) + 8 * p)));
         const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * p)));
         const __m256i low = t < 2 ? _mm256_and_si256(l, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(l, 4);
-        const __m256i high = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 2 * t), _mm256_set1_epi32(3)), 4);
+        /* bits 2t, 2t + 1 of qh to bits 4, 5: mask them, then one shift (none for t = 2) */
+        const __m256i masked = _mm256_and_si256(h, _mm256_set1_epi32(3 << (2 * t)));
+        const __m256i high = t < 2 ? _mm256_slli_epi32(masked, 4 - 2 * t) : t > 2 ? _mm256_srli_epi32(masked, 2) : masked;
         f[p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(low, high), _mm256_set1_epi32(32)));
     }
 }

@@ -259,21 +259,17 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
     const int64_t supers = w->k / 256, blocks = w->k / 32;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *sb = w->w + r * w->row_bytes;
-        __m256 acc[FUSED_MAX_M];
-        float min_acc[FUSED_MAX_M];
-        for (int a = 0; a < m; a++) {
-            acc[a] = _mm256_setzero_ps();
-            min_acc[a] = 0.0f;
-        }
+        __m256 acc[FUSED_MAX_M], min_acc[FUSED_MAX_M];
+        for (int a = 0; a < m; a++) acc[a] = min_acc[a] = _mm256_setzero_ps();
         for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
             __m256 f[4];
             if (type == T_Q4_K) {
-                const float d = half_avx2(sb), dmin = half_avx2(sb + 2);
+                __m256 d_sc, dmin_m;
+                q4k_scales(sb, &d_sc, &dmin_m);
+                for (int a = 0; a < m; a++) /* the minimums' term of the eight sub-blocks, one lane each */
+                    min_acc[a] = _mm256_fmadd_ps(dmin_m, _mm256_loadu_ps(xsum + a * blocks + 8 * s), min_acc[a]);
                 for (int j = 0; j < 8; j++) {
-                    int sc, mn;
-                    q4k_scale_min(sb + 4, j, &sc, &mn);
-                    const __m256 d1 = _mm256_set1_ps(d * (float)sc);
-                    const float m1 = dmin * (float)mn;
+                    const __m256 d1 = _mm256_permutevar8x32_ps(d_sc, _mm256_set1_epi32(j));
                     q4k_levels(sb + 16 + 32 * (j / 2), j & 1, f);
                     for (int a = 0; a < m; a++) {
                         const float *xb = x + a * ldx + 256 * s + 32 * j;
@@ -282,18 +278,20 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                         v = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), v);
                         v = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), v);
                         acc[a] = _mm256_fmadd_ps(v, d1, acc[a]);
-                        min_acc[a] += m1 * xsum[a * blocks + 8 * s + j];
                     }
                 }
                 continue;
             }
-            const float d = half_avx2(sb + 208);
-            const int8_t *scales = (const int8_t *)(sb + 192);
+            /* the sixteen sub-block scales times d, as ggml rounds them (d * sc) */
+            const __m128i packed_scales = _mm_loadu_si128((const __m128i *)(sb + 192));
+            const __m256 d = _mm256_set1_ps(half_avx2(sb + 208));
+            const __m256 d_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed_scales))),
+                                    _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed_scales, 8))))};
             for (int half = 0; half < 2; half++)
                 for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16 */
                     q6k_levels(sb + 64 * half, sb + 128 + 32 * half, t, f);
-                    const __m256 da = _mm256_set1_ps(d * (float)scales[8 * half + 2 * t]);
-                    const __m256 db = _mm256_set1_ps(d * (float)scales[8 * half + 2 * t + 1]);
+                    const __m256 da = _mm256_permutevar8x32_ps(d_sc[half], _mm256_set1_epi32(2 * t));
+                    const __m256 db = _mm256_permutevar8x32_ps(d_sc[half], _mm256_set1_epi32(2 * t + 1));
                     for (int a = 0; a < m; a++) {
                         const float *xb = x + a * ldx + 256 * s + 128 * half + 32 * t;
                         const __m256 va = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
@@ -302,7 +300,7 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                     }
                 }
         }
-        for (int a = 0; a < m; a++) out[a * ldo + r] = hsum(acc[a]) - min_acc[a];
+        for (int a = 0; a < m; a++) out[a * ldo + r] = hsum(acc[a]) - hsum(min_acc[a]);
     }
 }
 
