@@ -199,11 +199,12 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
         f[p] = _mm256_cvtepi32_ps(with_offset && level_offset(type) ? _mm256_sub_epi32(q[p], offset) : q[p]);
 }
 
-/* Q4_K sub-block j's 32 levels: the low (j even) or high (j odd) nibbles of its 32 bytes q. */
-AVX2 static inline __attribute__((always_inline)) void q4k_levels(const uint8_t *q, int high, __m256 f[4]) {
+/* Q4_K sub-blocks 2c and 2c + 1: their 32 levels each, the low and the high nibbles of the same 32 bytes q. */
+AVX2 static inline __attribute__((always_inline)) void q4k_levels(const uint8_t *q, __m256 low[4], __m256 high[4]) {
     for (int p = 0; p < 4; p++) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * p)));
-        f[p] = _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+        low[p] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+        high[p] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
     }
 }
 
@@ -217,44 +218,52 @@ AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t 
     *dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m))));
 }
 
-/* Q6_K: the 32 levels (q - 32) of quarter t (0..3) of a half super-block (ql: its 64 bytes, qh: its 32). */
-AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t *ql, const uint8_t *qh, int t,
-                                                                  __m256 f[4]) {
+/* Q6_K: the 128 levels (q - 32) of a half super-block (ql: its 64 bytes, qh: its 32) as f[quarter][vector]: each
+ * byte is loaded once for the quarters that share it (ql's low and high nibbles, qh's four bit pairs). */
+AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t *ql, const uint8_t *qh, __m256 f[4][4]) {
+    const __m256i nibble = _mm256_set1_epi32(0x0f), bias = _mm256_set1_epi32(32);
     for (int p = 0; p < 4; p++) {
-        const __m256i l = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 * (t & 1) + 8 * p)));
+        const __m256i l0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 8 * p)));
+        const __m256i l1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + 8 * p)));
         const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * p)));
-        const __m256i low = t < 2 ? _mm256_and_si256(l, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(l, 4);
-        /* bits 2t, 2t + 1 of qh to bits 4, 5: mask them, then one shift (none for t = 2) */
-        const __m256i masked = _mm256_and_si256(h, _mm256_set1_epi32(3 << (2 * t)));
-        const __m256i high = t < 2 ? _mm256_slli_epi32(masked, 4 - 2 * t) : t > 2 ? _mm256_srli_epi32(masked, 2) : masked;
-        f[p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(low, high), _mm256_set1_epi32(32)));
+        /* bits 2t, 2t + 1 of qh become bits 4, 5 of quarter t's levels */
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, nibble), _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4)),
+            _mm256_or_si256(_mm256_and_si256(l1, nibble), _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(12)), 2)),
+            _mm256_or_si256(_mm256_srli_epi32(l0, 4), _mm256_and_si256(h, _mm256_set1_epi32(48))),
+            _mm256_or_si256(_mm256_srli_epi32(l1, 4), _mm256_srli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(192)), 2))};
+        for (int t = 0; t < 4; t++) f[t][p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[t], bias));
     }
 }
 
 /* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */
 AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, float *dst) {
-    __m256 f[4];
     if (type == T_Q4_K) {
         const float d = half_avx2(sb), dmin = half_avx2(sb + 2);
-        for (int j = 0; j < 8; j++, dst += 32) {
-            int sc, m;
-            q4k_scale_min(sb + 4, j, &sc, &m);
-            const __m256 d1 = _mm256_set1_ps(d * (float)sc), m1 = _mm256_set1_ps(dmin * (float)m);
-            q4k_levels(sb + 16 + 32 * (j / 2), j & 1, f);
-            for (int p = 0; p < 4; p++) _mm256_storeu_ps(dst + 8 * p, _mm256_sub_ps(_mm256_mul_ps(d1, f[p]), m1));
+        for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
+            __m256 levels[2][4];
+            q4k_levels(sb + 16 + 32 * c, levels[0], levels[1]);
+            for (int h = 0; h < 2; h++, dst += 32) {
+                int sc, m;
+                q4k_scale_min(sb + 4, 2 * c + h, &sc, &m);
+                const __m256 d1 = _mm256_set1_ps(d * (float)sc), m1 = _mm256_set1_ps(dmin * (float)m);
+                for (int p = 0; p < 4; p++)
+                    _mm256_storeu_ps(dst + 8 * p, _mm256_sub_ps(_mm256_mul_ps(d1, levels[h][p]), m1));
+            }
         }
         return;
     }
     const float d = half_avx2(sb + 208);
     const int8_t *scales = (const int8_t *)(sb + 192);
-    for (int half = 0; half < 2; half++)
-        for (int t = 0; t < 4; t++, dst += 32) {
-            q6k_levels(sb + 64 * half, sb + 128 + 32 * half, t, f);
+    for (int half = 0; half < 2; half++) {
+        __m256 levels[4][4];
+        q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
+        for (int t = 0; t < 4; t++, dst += 32)
             for (int p = 0; p < 4; p++) {
                 const __m256 scale = _mm256_set1_ps(d * (float)scales[8 * half + 2 * t + p / 2]);
-                _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(scale, f[p]));
+                _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(scale, levels[t][p]));
             }
-        }
+    }
 }
 
 /* A block of a block type as 32 floats, bit-identical to dequant_block_scalar. */

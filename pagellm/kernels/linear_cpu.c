@@ -268,16 +268,20 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                 q4k_scales(sb, &d_sc, &dmin_m);
                 for (int a = 0; a < m; a++) /* the minimums' term of the eight sub-blocks, one lane each */
                     min_acc[a] = _mm256_fmadd_ps(dmin_m, _mm256_loadu_ps(xsum + a * blocks + 8 * s), min_acc[a]);
-                for (int j = 0; j < 8; j++) {
-                    const __m256 d1 = _mm256_permutevar8x32_ps(d_sc, _mm256_set1_epi32(j));
-                    q4k_levels(sb + 16 + 32 * (j / 2), j & 1, f);
+                for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
+                    __m256 high[4];
+                    q4k_levels(sb + 16 + 32 * c, f, high);
+                    const __m256 d_low = _mm256_permutevar8x32_ps(d_sc, _mm256_set1_epi32(2 * c));
+                    const __m256 d_high = _mm256_permutevar8x32_ps(d_sc, _mm256_set1_epi32(2 * c + 1));
                     for (int a = 0; a < m; a++) {
-                        const float *xb = x + a * ldx + 256 * s + 32 * j;
+                        const float *xb = x + a * ldx + 256 * s + 64 * c;
                         __m256 v = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
-                        v = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), v);
-                        v = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), v);
-                        v = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), v);
-                        acc[a] = _mm256_fmadd_ps(v, d1, acc[a]);
+                        __m256 u = _mm256_mul_ps(high[0], _mm256_loadu_ps(xb + 32));
+                        for (int p = 1; p < 4; p++) {
+                            v = _mm256_fmadd_ps(f[p], _mm256_loadu_ps(xb + 8 * p), v);
+                            u = _mm256_fmadd_ps(high[p], _mm256_loadu_ps(xb + 32 + 8 * p), u);
+                        }
+                        acc[a] = _mm256_fmadd_ps(u, d_high, _mm256_fmadd_ps(v, d_low, acc[a]));
                     }
                 }
                 continue;
@@ -287,18 +291,21 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
             const __m256 d = _mm256_set1_ps(half_avx2(sb + 208));
             const __m256 d_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed_scales))),
                                     _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed_scales, 8))))};
-            for (int half = 0; half < 2; half++)
+            for (int half = 0; half < 2; half++) {
+                __m256 levels[4][4];
+                q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
                 for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16 */
-                    q6k_levels(sb + 64 * half, sb + 128 + 32 * half, t, f);
+                    const __m256 *f6 = levels[t];
                     const __m256 da = _mm256_permutevar8x32_ps(d_sc[half], _mm256_set1_epi32(2 * t));
                     const __m256 db = _mm256_permutevar8x32_ps(d_sc[half], _mm256_set1_epi32(2 * t + 1));
                     for (int a = 0; a < m; a++) {
                         const float *xb = x + a * ldx + 256 * s + 128 * half + 32 * t;
-                        const __m256 va = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
-                        const __m256 vb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                        const __m256 va = _mm256_fmadd_ps(f6[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f6[0], _mm256_loadu_ps(xb)));
+                        const __m256 vb = _mm256_fmadd_ps(f6[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f6[2], _mm256_loadu_ps(xb + 16)));
                         acc[a] = _mm256_fmadd_ps(vb, db, _mm256_fmadd_ps(va, da, acc[a]));
                     }
                 }
+            }
         }
         for (int a = 0; a < m; a++) out[a * ldo + r] = hsum(acc[a]) - hsum(min_acc[a]);
     }
