@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"pagellm.benchmarks.{name}").add_cli_args(benchmark)
         EngineArgs.add_cli_args(benchmark)
         benchmark.set_defaults(handler=_run_engine_benchmark)
+    random_gguf = bench.add_parser("random-gguf", help="write a random-weight GGUF of a real model's shapes in a "
+                                   "llama.cpp quantization mix (for bench latency --model)")
+    from pagellm.benchmarks import random_gguf as random_gguf_bench
+
+    random_gguf_bench.add_cli_args(random_gguf)
+    random_gguf.set_defaults(handler=lambda args: random_gguf_bench.run(args))
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
     from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
 

@@ -203,3 +203,20 @@ def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
     expected = (0.001 + 0.008) + 4 * 0.0012 + 5 * 0.0011
     assert expected <= served.elapsed < expected * 3 + 0.05
     assert (served.prompt_tokens, served.output_tokens) == (80, 15)
+
+
+def test_random_gguf_has_the_mix_and_runs_packed(tmp_path):
+    """`bench random-gguf`: a Q4_K_M-like file of TinyLlama's layer shapes that pagellm loads packed and decodes with
+    finite logprobs (the weights are random: only the arithmetic is real)."""
+    from pagellm import LLM, SamplingParams
+
+    path = tmp_path / "random.gguf"
+    assert "1 layers, Q4_K_M" in cli("random-gguf", str(path), "--layers", "1")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_K
+    assert types["blk.0.ffn_down.weight"] == types["blk.0.attn_v.weight"] == gguf.GGMLQuantizationType.Q6_K
+    llm = LLM(model=str(path), max_model_len=64, kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0] < path.stat().st_size * 1.01
+    out = llm.generate([{"prompt_token_ids": [5, 60, 200, 7]}],
+                       SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    assert all(np.isfinite(lp.logprob) for entry in out.outputs[0].logprobs for lp in entry.values())
