@@ -85,6 +85,12 @@ def tiny_model_factory(tmp_path_factory, smollm2_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_factory) -> Path:
+    """The tiny random-weight Llama checkpoint most engine tests run on (a module may override it)."""
+    return tiny_model_factory("llama")
+
+
 def random_token_prompts(lengths, seed: int = 0, vocab_size: int = 49152) -> list[dict]:
     """{"prompt_token_ids": [...]} prompts of the given lengths (ids avoid the first few special tokens)."""
     rng = random.Random(seed)

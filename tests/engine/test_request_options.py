@@ -17,10 +17,6 @@ PARAMS = SamplingParams(max_tokens=4)
 TOKEN_IDS = [20, 21, 22, 23]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):

@@ -24,10 +24,6 @@ def engine_is_idle(llm: LLM) -> bool:
     return not core.scheduler.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
 
 @pytest.fixture(scope="module")
 def llm(model_dir):

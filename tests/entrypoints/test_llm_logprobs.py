@@ -16,10 +16,6 @@ PROMPT_LENS = [1, 5, 19, 40]
 TOL = 1e-3
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
 
 @pytest.fixture(scope="module")
 def llm(model_dir):

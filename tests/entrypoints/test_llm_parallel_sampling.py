@@ -16,10 +16,6 @@ MAX_MODEL_LEN = 96
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
 
 @pytest.fixture(scope="module")
 def llm(model_dir):

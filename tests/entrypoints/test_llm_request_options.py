@@ -15,10 +15,6 @@ LONG_PROMPT_LEN = 40  # two full 16-token blocks and a partial one
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
 
 @pytest.fixture(scope="module")
 def llm(model_dir):

@@ -62,10 +62,6 @@ CONSTRAINTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
 
 @pytest.fixture(scope="module")
 def llm(model_dir):

@@ -49,10 +49,6 @@ def is_alive(pid: int) -> bool:
         return stat.read().split()[2] != "Z"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
 
 def fail_a_constrained_step(llm: LLM) -> None:
     """A constrained step whose forward pass fails (a sequence the worker never got) raises when collected; in a

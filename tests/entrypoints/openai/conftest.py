@@ -14,10 +14,6 @@ FUZZ_MAX_MODEL_LEN = 48
 FUZZ_SERVER_HEADROOM_BYTES = 4 << 30
 
 
-@pytest.fixture(scope="session")
-def model_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama")
-
 
 @pytest.fixture(scope="session")
 def server(model_dir, start_server):
