@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagellm.benchmarks import random_gguf as random_gguf_bench
 
     random_gguf_bench.add_cli_args(random_gguf)
-    random_gguf.set_defaults(handler=lambda args: random_gguf_bench.run(args))
+    random_gguf.set_defaults(handler=random_gguf_bench.run)
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
     from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
 
