@@ -45,6 +45,7 @@ class EngineArgs:
     served_model_name: str | None = None
     max_logprobs: int = 20
     quantization: str | None = None  # None: "gguf" for a GGUF model on the CPU in float32, else "none"
+    quantize_activations: bool = False  # llama.cpp's arithmetic for packed weights: faster, no longer exact
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for the host block tier
     preemption_mode: str = "recompute"
@@ -75,6 +76,10 @@ class EngineArgs:
                                          self.distributed_executor_backend, self.data_parallel_size,
                                          pipeline_overlap=pipeline_overlap)
         check_parallel_sizes(hf_config, parallel_config)
+        quantization = self._quantization(device, dtype, gguf_file)
+        if self.quantize_activations and quantization == "none":
+            raise ValueError("--quantize-activations works on packed weights (--quantization gguf or int8, on the CPU "
+                             "in float32); drop it or choose a packed --quantization.")
         model_config = ModelConfig(
             model=str(model_dir),
             tokenizer=str(self.tokenizer or model_dir),
@@ -85,7 +90,8 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or (str(self.model) if self.model else DEFAULT_MODEL_NAME),
             max_logprobs=self.max_logprobs,
-            quantization=self._quantization(device, dtype, gguf_file),
+            quantization=quantization,
+            quantize_activations=self.quantize_activations,
             gguf_file=str(gguf_file) if gguf_file else None,
         )
         return EngineConfig(
@@ -157,6 +163,10 @@ class EngineArgs:
                             help="weight storage: gguf (GGUF blocks kept packed, CPU kernels), int8 (float "
                                  "checkpoints quantized to Q8_0 blocks), none (float). Default: gguf for a .gguf "
                                  "model on the CPU, none otherwise")
+        parser.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction,
+                            default=EngineArgs.quantize_activations,
+                            help="round activations to int8 per block before multiplying with packed weights at "
+                                 "decode batch sizes (llama.cpp's arithmetic): faster, no longer exact")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.enable_prefix_caching,
                             help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "

@@ -208,14 +208,23 @@ AVX2 static inline __attribute__((always_inline)) void q4k_levels(const uint8_t 
     }
 }
 
-/* Q4_K: the eight sub-block scales times d and minimums times dmin, as ggml rounds them (d * sc, dmin * m), from
- * the 12 packed bytes: all eight 6-bit values at once, four per 32-bit word. */
-AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *sb, __m256 *d_sc, __m256 *dmin_m) {
+/* Q4_K: the eight 6-bit sub-block scales (bytes of *sc) and minimums (*m) from the super-block's 12 packed
+ * bytes, all at once, four per 32-bit word. */
+static inline void q4k_unpack(const uint8_t *sb, uint64_t *sc, uint64_t *m) {
     const uint32_t w0 = load_u32(sb + 4), w1 = load_u32(sb + 8), w2 = load_u32(sb + 12);
-    const uint64_t sc = (uint64_t)(w0 & 0x3f3f3f3fu) | (uint64_t)((w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)) << 32;
-    const uint64_t m = (uint64_t)(w1 & 0x3f3f3f3fu) | (uint64_t)(((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)) << 32;
-    *d_sc = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
-    *dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m))));
+    *sc = (uint64_t)(w0 & 0x3f3f3f3fu) | (uint64_t)((w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)) << 32;
+    *m = (uint64_t)(w1 & 0x3f3f3f3fu) | (uint64_t)(((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)) << 32;
+}
+
+/* Eight unsigned bytes (the low 64 bits) as eight floats. */
+AVX2 static inline __m256 u8x8_to_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
+
+/* Q4_K: the eight sub-block scales times d and minimums times dmin, as ggml rounds them (d * sc, dmin * m). */
+AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *sb, __m256 *d_sc, __m256 *dmin_m) {
+    uint64_t sc, m;
+    q4k_unpack(sb, &sc, &m);
+    *d_sc = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb)), u8x8_to_ps(sc));
+    *dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), u8x8_to_ps(m));
 }
 
 /* Q6_K: the 128 levels (q - 32) of a half super-block (ql: its 64 bytes, qh: its 32) as f[quarter][vector]: each
@@ -234,6 +243,35 @@ AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t 
             _mm256_or_si256(_mm256_srli_epi32(l1, 4), _mm256_srli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(192)), 2))};
         for (int t = 0; t < 4; t++) f[t][p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[t], bias));
     }
+}
+
+/* ---- levels as bytes, for integer dot products (int8 activations) ---- */
+
+/* The block's 32 levels as bytes in element order: unsigned (without ggml's offset) for the nibble types, the
+ * signed quants for Q8_0. Q5's fifth bits: every byte picks its qh byte, keeps its own bit, turns it into 0x10. */
+AVX2 static inline __attribute__((always_inline)) __m256i block_level_bytes(const int type, block_ref ref) {
+    if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)ref.qs);
+    const __m128i qs = _mm_loadu_si128((const __m128i *)ref.qs);
+    __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0f));
+    if (five_bit(type)) {
+        const __m256i pick = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201);
+        const __m256i qh = _mm256_shuffle_epi8(_mm256_set1_epi32((int)load_u32(ref.qh)), pick);
+        v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+/* Q6_K: the 128 levels of a half super-block (ql: its 64 bytes, qh: its 32) as unsigned bytes q (0..63, ggml's
+ * -32 left to the caller), q[t] holding quarter t: bits 2t, 2t + 1 of qh become bits 4, 5 of quarter t. */
+AVX2 static inline __attribute__((always_inline)) void q6k_level_bytes(const uint8_t *ql, const uint8_t *qh, __m256i q[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30); /* 16-bit shifts, masked after */
+    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble), _mm256_and_si256(h, top));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
 }
 
 /* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */

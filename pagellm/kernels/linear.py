@@ -68,7 +68,8 @@ def _check(status: int, what: str) -> None:
 
 
 class _Matrix(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int32), ("use_avx2", ctypes.c_int32), ("w", _PTR), ("row_bytes", _I64),
+    _fields_ = [("type", ctypes.c_int32), ("use_avx2", ctypes.c_int32), ("int8_activations", ctypes.c_int32),
+                ("w", _PTR), ("row_bytes", _I64),
                 ("n", _I64), ("k", _I64), ("grouped_rows", _I64), ("num_parts", _I64), ("parts", _PTR)]
 
 
@@ -80,7 +81,7 @@ class PackedMatmul:
 
     __slots__ = ("weight", "parts", "in_features", "out_features", "_matrix", "_part_matrices", "pointer", "_run")
 
-    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int) -> None:
+    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int, int8_activations: bool = False) -> None:
         if qweight.shape[1] != row_bytes(qtype, in_features):
             raise ValueError(f"packed rows of {qweight.shape[1]} bytes do not hold {in_features} "
                              f"{GGMLQuantizationType(qtype).name} values")
@@ -94,8 +95,8 @@ class PackedMatmul:
         self.parts: tuple[PackedMatmul, ...] = ()
         self._part_matrices = None
         self.in_features, self.out_features = in_features, qweight.shape[0]
-        self._matrix = _Matrix(int(qtype), int(use_avx2()), qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
-                               in_features, grouped_rows, 0, None)
+        self._matrix = _Matrix(int(qtype), int(use_avx2()), int(int8_activations), qweight.data_ptr(),
+                               qweight.stride(0), qweight.shape[0], in_features, grouped_rows, 0, None)
         self.pointer = ctypes.addressof(self._matrix)  # what the fused decoder (kernels.decoder) passes to C
         self._run = load().pagellm_matmul
 
@@ -109,7 +110,7 @@ class PackedMatmul:
         stacked.weight, stacked.parts = None, tuple(parts)
         stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         stacked._part_matrices = (_Matrix * len(parts))(*(p._matrix for p in parts))  # copies the C side reads
-        stacked._matrix = _Matrix(0, 0, None, 0, stacked.out_features, stacked.in_features, 0, len(parts),
+        stacked._matrix = _Matrix(0, 0, 0, None, 0, stacked.out_features, stacked.in_features, 0, len(parts),
                                   ctypes.addressof(stacked._part_matrices))
         stacked.pointer = ctypes.addressof(stacked._matrix)
         stacked._run = load().pagellm_matmul
@@ -127,6 +128,19 @@ class PackedMatmul:
         if status:
             _check(status, "matmul")
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether decode-sized products round the activations to int8 first (llama.cpp's arithmetic,
+        linear_int8.h), instead of the exact float32 default. Float weights ignore it."""
+        return bool(self._matrix.int8_activations)
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        self._matrix.int8_activations = int(on)
+        for i, part in enumerate(self.parts):  # a stack's C side reads its copies of the parts
+            part.int8_activations = on
+            self._part_matrices[i].int8_activations = int(on)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in_features] (an embedding lookup), exactly as ggml dequantizes."""

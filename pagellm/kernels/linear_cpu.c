@@ -31,12 +31,22 @@
  * (a fused q|k|v whose v the file stores in another type): `parts` describes them and the other fields but n and
  * k are unused. */
 typedef struct pagellm_matrix {
-    int32_t type, use_avx2;
+    int32_t type, use_avx2, int8_activations; /* int8_activations: linear_int8.h's arithmetic at small M */
     const uint8_t *w;
     int64_t row_bytes, n, k, grouped_rows; /* grouped_rows: rows [0, grouped_rows) interleaved by four */
     int64_t num_parts;
     const struct pagellm_matrix *parts;
 } pagellm_matrix;
+
+/* The activation rows as the small-M kernels read them. */
+typedef struct {
+    const float *x;       /* [m, k], row stride ldx */
+    int64_t ldx;
+    const float *sum;     /* [m, k / 32]: each row's exact sum over every block of 32 */
+    const int8_t *q;      /* int8 activations [m, k] (linear_int8.h), or NULL */
+    const float *scale;   /* [m, k / q8_group(type)]: their scales */
+    const int16_t *sum16; /* [m, k / 16]: sums of q over each 16 */
+} activations;
 
 static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, float *dst) {
     const uint8_t *src = w->w + r * w->row_bytes;
@@ -139,222 +149,52 @@ AVX2 static void tile_gemm_avx2(const float *x, int64_t mb, int64_t ldx, const f
     }
 }
 
-/* ---- small M: dequantize in registers, no buffer ---------------------------------------------------------
- * For decode-sized batches the tile buffer's store and reload cost more than the arithmetic, so each block is
- * decoded in registers and used straight away. A block's products are regrouped around its scales:
- *     sum_j (d q_j + m) x_j  =  d (sum_j q_j x_j) + m (sum_j x_j)
- * with sum_j x_j computed once per call. That removes the multiply and add per weight that rebuilding ggml's
- * float weights costs, and keeps float32 activations and float32 accumulation (no activation quantization);
- * the result differs from the tile path only by float32 rounding. Specialised per type and per M
- * (always_inline with constants). */
+/* ---- small M: the block decoded in registers, no buffer (linear_fused.h; linear_int8.h when opted in) ---- */
 #define FUSED_MAX_M 4
+#include "linear_int8.h"
+#include "linear_fused.h"
 
-/* A float type's 32 values (block `ref`) as four vectors of 8. */
-AVX2 static inline __attribute__((always_inline)) void float_block(const int type, block_ref ref, __m256 f[4]) {
-    for (int p = 0; p < 4; p++) {
-        const uint8_t *src = ref.qs + 8 * p * element_bytes(type);
-        if (type == T_F32) f[p] = _mm256_loadu_ps((const float *)src);
-        else if (type == T_F16) f[p] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
-        else f[p] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+/* One call per m (1..FUSED_MAX_M), each a constant the kernel is specialised for. */
+#define FOR_M(m, call)                                                                                                \
+    switch (m) {                                                                                                      \
+    case 1: { const int M = 1; call; } break;                                                                         \
+    case 2: { const int M = 2; call; } break;                                                                         \
+    case 3: { const int M = 3; call; } break;                                                                         \
+    default: { const int M = 4; call; } break;                                                                        \
     }
-}
 
-/* Rows [r0, r1), one row at a time, for m activation rows. */
-AVX2 static inline __attribute__((always_inline)) void fused_rows(
-    const int type, const int m, const pagellm_matrix *w, int64_t r0, int64_t r1, const float *x, int64_t ldx,
-    const float *xsum, float *out, int64_t ldo) {
-    const int64_t blocks = w->k / 32;
-    const int scaled = is_block_type(type);
-    for (int64_t r = r0; r < r1; r++) {
-        __m256 acc[FUSED_MAX_M][4];
-        float min_acc[FUSED_MAX_M];
-        for (int i = 0; i < m; i++) {
-            min_acc[i] = 0.0f;
-            for (int c = 0; c < 4; c++) acc[i][c] = _mm256_setzero_ps();
-        }
-        /* Consecutive blocks of a row lie `stride` bytes apart in either layout: one pointer walks the row and
-         * the fields keep their offsets from it. */
-        const block_ref first = block_at(type, w->w, w->row_bytes, w->grouped_rows, r, 0);
-        const int64_t stride = !scaled ? 32 * element_bytes(type) : block_bytes(type) * (r < w->grouped_rows ? 4 : 1);
-        const int64_t m_at = first.m - first.d, qh_at = first.qh - first.d, qs_at = first.qs - first.d;
-        const uint8_t *base = first.d;
-        for (int64_t b = 0; b < blocks; b++, base += stride) {
-            const block_ref ref = {base, base + m_at, base + qh_at, base + qs_at};
-            __m256 f[4];
-            const float *xb = x + b * 32;
-            if (!scaled) { /* four independent chains per row hide the FMA latency */
-                float_block(type, ref, f);
-                for (int i = 0; i < m; i++)
-                    for (int p = 0; p < 4; p++)
-                        acc[i][p] = _mm256_fmadd_ps(f[p], _mm256_loadu_ps(xb + i * ldx + 8 * p), acc[i][p]);
-                continue;
-            }
-            block_levels(type, ref, f, 0);
-            const float d = half_avx2(ref.d), mn = has_min(type) ? half_avx2(ref.m) : -(float)level_offset(type) * d;
-            const __m256 dv = _mm256_set1_ps(d);
-            for (int i = 0; i < m; i++) {
-                /* The block's dot product is independent of the accumulator, so only one FMA per block sits on
-                 * the loop-carried chain. */
-                const float *xi = xb + i * ldx;
-                const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xi + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xi)));
-                const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xi + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xi + 16)));
-                acc[i][0] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), dv, acc[i][0]);
-                if (has_min(type) || level_offset(type)) min_acc[i] += mn * xsum[i * blocks + b];
-            }
-        }
-        for (int i = 0; i < m; i++) {
-            const __m256 total = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
-            out[i * ldo + r] = hsum(total) + min_acc[i];
-        }
-    }
-}
-
-/* m activation rows against an interleaved group of four weight rows: one load gives the four rows' scales (and
- * minimums), each block is decoded once for the m rows, and the 4 m accumulators are independent chains. The
- * minimums' term sum_b m_b xsum_b of the four rows builds up in one vector per activation row: lanes 4..7 from the
- * minimums, or lanes 0..3 from -offset d (ggml's q - offset regrouped as d q - offset d). */
-AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type, const int m, const uint8_t *group,
-                                                                  int64_t blocks, const float *x, int64_t ldx,
-                                                                  const float *xsum, float *out, int64_t ldo) {
-    const int64_t stride = 4 * block_bytes(type);
-    __m256 acc[FUSED_MAX_M][4], min_acc[FUSED_MAX_M];
-    for (int a = 0; a < m; a++) {
-        min_acc[a] = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) acc[a][i] = _mm256_setzero_ps();
-    }
-    for (int64_t b = 0; b < blocks; b++, group += stride) {
-        /* d0..d3 and, for types with a minimum, m0..m3 */
-        const __m256 scales = _mm256_cvtph_ps(has_min(type) ? _mm_loadu_si128((const __m128i *)group)
-                                                            : _mm_loadl_epi64((const __m128i *)group));
-        for (int a = 0; a < m && (has_min(type) || level_offset(type)); a++) {
-            const float sum = has_min(type) ? xsum[a * blocks + b] : -(float)level_offset(type) * xsum[a * blocks + b];
-            min_acc[a] = _mm256_fmadd_ps(scales, _mm256_set1_ps(sum), min_acc[a]);
-        }
-        for (int i = 0; i < 4; i++) {
-            __m256 f[4];
-            block_levels(type, group_block(type, group, i), f, 0);
-            const __m256 d = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(i));
-            for (int a = 0; a < m; a++) {
-                const float *xb = x + a * ldx + 32 * b;
-                __m256 v = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
-                v = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), v);
-                v = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xb + 16), v);
-                v = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), v);
-                acc[a][i] = _mm256_fmadd_ps(v, d, acc[a][i]);
-            }
-        }
-    }
-    for (int a = 0; a < m; a++) {
-        float mins[8];
-        _mm256_storeu_ps(mins, min_acc[a]);
-        for (int i = 0; i < 4; i++) out[a * ldo + i] = hsum(acc[a][i]) + (has_min(type) ? mins[4 + i] : mins[i]);
-    }
-}
-
-/* K-quant rows [r0, r1) for m activation rows, one row at a time: each sub-block's products regrouped around its
- * scale (and minimum), as for the 32-weight types. */
-AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, const int m, const pagellm_matrix *w,
-                                                              int64_t r0, int64_t r1, const float *x, int64_t ldx,
-                                                              const float *xsum, float *out, int64_t ldo) {
-    const int64_t supers = w->k / 256, blocks = w->k / 32;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *sb = w->w + r * w->row_bytes;
-        __m256 acc[FUSED_MAX_M], min_acc[FUSED_MAX_M];
-        for (int a = 0; a < m; a++) acc[a] = min_acc[a] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
-            __m256 f[4];
-            if (type == T_Q4_K) {
-                __m256 d_sc, dmin_m;
-                q4k_scales(sb, &d_sc, &dmin_m);
-                for (int a = 0; a < m; a++) /* the minimums' term of the eight sub-blocks, one lane each */
-                    min_acc[a] = _mm256_fmadd_ps(dmin_m, _mm256_loadu_ps(xsum + a * blocks + 8 * s), min_acc[a]);
-                for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
-                    __m256 high[4];
-                    q4k_levels(sb + 16 + 32 * c, f, high);
-                    const __m256 d_low = _mm256_permutevar8x32_ps(d_sc, _mm256_set1_epi32(2 * c));
-                    const __m256 d_high = _mm256_permutevar8x32_ps(d_sc, _mm256_set1_epi32(2 * c + 1));
-                    for (int a = 0; a < m; a++) {
-                        const float *xb = x + a * ldx + 256 * s + 64 * c;
-                        __m256 v = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
-                        __m256 u = _mm256_mul_ps(high[0], _mm256_loadu_ps(xb + 32));
-                        for (int p = 1; p < 4; p++) {
-                            v = _mm256_fmadd_ps(f[p], _mm256_loadu_ps(xb + 8 * p), v);
-                            u = _mm256_fmadd_ps(high[p], _mm256_loadu_ps(xb + 32 + 8 * p), u);
-                        }
-                        acc[a] = _mm256_fmadd_ps(u, d_high, _mm256_fmadd_ps(v, d_low, acc[a]));
-                    }
-                }
-                continue;
-            }
-            /* the sixteen sub-block scales times d, as ggml rounds them (d * sc) */
-            const __m128i packed_scales = _mm_loadu_si128((const __m128i *)(sb + 192));
-            const __m256 d = _mm256_set1_ps(half_avx2(sb + 208));
-            const __m256 d_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed_scales))),
-                                    _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed_scales, 8))))};
-            for (int half = 0; half < 2; half++) {
-                __m256 levels[4][4];
-                q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
-                for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16 */
-                    const __m256 *f6 = levels[t];
-                    const __m256 da = _mm256_permutevar8x32_ps(d_sc[half], _mm256_set1_epi32(2 * t));
-                    const __m256 db = _mm256_permutevar8x32_ps(d_sc[half], _mm256_set1_epi32(2 * t + 1));
-                    for (int a = 0; a < m; a++) {
-                        const float *xb = x + a * ldx + 256 * s + 128 * half + 32 * t;
-                        const __m256 va = _mm256_fmadd_ps(f6[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f6[0], _mm256_loadu_ps(xb)));
-                        const __m256 vb = _mm256_fmadd_ps(f6[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f6[2], _mm256_loadu_ps(xb + 16)));
-                        acc[a] = _mm256_fmadd_ps(vb, db, _mm256_fmadd_ps(va, da, acc[a]));
-                    }
-                }
-            }
-        }
-        for (int a = 0; a < m; a++) out[a * ldo + r] = hsum(acc[a]) - hsum(min_acc[a]);
-    }
-}
-
-AVX2 static inline __attribute__((always_inline)) void fused_typed(
-    const int type, int64_t m, const pagellm_matrix *w, int64_t r0, int64_t r1, const float *x, int64_t ldx,
-    const float *xsum, float *out, int64_t ldo) {
+AVX2 static inline __attribute__((always_inline)) void fused_typed(const int type, int64_t m, const pagellm_matrix *w,
+                                                                   int64_t r0, int64_t r1, const activations *act,
+                                                                   float *out, int64_t ldo) {
+    const int int8 = act->q != NULL;
     if (is_k_type(type)) {
-        switch (m) {
-        case 1: k_rows(type, 1, w, r0, r1, x, ldx, xsum, out, ldo); return;
-        case 2: k_rows(type, 2, w, r0, r1, x, ldx, xsum, out, ldo); return;
-        case 3: k_rows(type, 3, w, r0, r1, x, ldx, xsum, out, ldo); return;
-        default: k_rows(type, 4, w, r0, r1, x, ldx, xsum, out, ldo); return;
-        }
+        if (int8) FOR_M(m, k_rows_q8(type, M, w, r0, r1, act, out, ldo))
+        else FOR_M(m, k_rows(type, M, w, r0, r1, act, out, ldo))
+        return;
     }
     if (is_block_type(type))
         for (; r0 + 4 <= r1 && r0 + 4 <= w->grouped_rows; r0 += 4) {
             const uint8_t *group = w->w + r0 * w->row_bytes;
-            switch (m) {
-            case 1: group_gemm(type, 1, group, w->k / 32, x, ldx, xsum, out + r0, ldo); break;
-            case 2: group_gemm(type, 2, group, w->k / 32, x, ldx, xsum, out + r0, ldo); break;
-            case 3: group_gemm(type, 3, group, w->k / 32, x, ldx, xsum, out + r0, ldo); break;
-            default: group_gemm(type, 4, group, w->k / 32, x, ldx, xsum, out + r0, ldo); break;
-            }
+            if (int8) FOR_M(m, group_gemm(type, M, group, w->k / 32, act, out + r0, ldo, 1))
+            else FOR_M(m, group_gemm(type, M, group, w->k / 32, act, out + r0, ldo, 0))
         }
-    switch (m) { /* float types, and rows outside the groups */
-    case 1: fused_rows(type, 1, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case 2: fused_rows(type, 2, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case 3: fused_rows(type, 3, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    default: fused_rows(type, 4, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    }
+    FOR_M(m, fused_rows(type, M, w, r0, r1, act, out, ldo)) /* float types, and rows outside the groups (float) */
 }
 
-/* Rows [r0, r1) of out for m <= FUSED_MAX_M activation rows; k a multiple of 32; xsum [m, k / 32] holds each
- * activation row's sum over every block of 32. */
-AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int64_t r1, const float *x, int64_t ldx,
-                            const float *xsum, float *out, int64_t ldo) {
+/* Rows [r0, r1) of out for m <= FUSED_MAX_M activation rows; k a multiple of 32. */
+AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int64_t r1, const activations *act,
+                            float *out, int64_t ldo) {
     switch (w->type) {
-    case T_F32: fused_typed(T_F32, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_F16: fused_typed(T_F16, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_BF16: fused_typed(T_BF16, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_Q4_0: fused_typed(T_Q4_0, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_Q4_1: fused_typed(T_Q4_1, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_Q5_0: fused_typed(T_Q5_0, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_Q5_1: fused_typed(T_Q5_1, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_Q8_0: fused_typed(T_Q8_0, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_Q4_K: fused_typed(T_Q4_K, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
-    case T_Q6_K: fused_typed(T_Q6_K, m, w, r0, r1, x, ldx, xsum, out, ldo); return;
+    case T_F32: fused_typed(T_F32, m, w, r0, r1, act, out, ldo); return;
+    case T_F16: fused_typed(T_F16, m, w, r0, r1, act, out, ldo); return;
+    case T_BF16: fused_typed(T_BF16, m, w, r0, r1, act, out, ldo); return;
+    case T_Q4_0: fused_typed(T_Q4_0, m, w, r0, r1, act, out, ldo); return;
+    case T_Q4_1: fused_typed(T_Q4_1, m, w, r0, r1, act, out, ldo); return;
+    case T_Q5_0: fused_typed(T_Q5_0, m, w, r0, r1, act, out, ldo); return;
+    case T_Q5_1: fused_typed(T_Q5_1, m, w, r0, r1, act, out, ldo); return;
+    case T_Q8_0: fused_typed(T_Q8_0, m, w, r0, r1, act, out, ldo); return;
+    case T_Q4_K: fused_typed(T_Q4_K, m, w, r0, r1, act, out, ldo); return;
+    case T_Q6_K: fused_typed(T_Q6_K, m, w, r0, r1, act, out, ldo); return;
     }
 }
 
@@ -419,7 +259,9 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     const int64_t n = w->n, k = w->k;
 #if HAVE_X86
     if (w->use_avx2 && m <= FUSED_MAX_M && k % 32 == 0) {
-        float *xsum = malloc((size_t)(m * (k / 32)) * sizeof(float));
+        const int int8 = w->int8_activations && !is_float_type(w->type);
+        /* one allocation: exact block sums, then (int8) scales, sums of 16 and the int8 rows */
+        float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 2 * sizeof(float) + 4 + 32 : sizeof(float)));
         if (xsum == NULL) return -2;
         for (int64_t i = 0; i < m; i++)
             for (int64_t b = 0; b < k / 32; b++) {
@@ -427,10 +269,18 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
                 for (int j = 0; j < 32; j++) s += x[i * ldx + b * 32 + j];
                 xsum[i * (k / 32) + b] = s;
             }
+        activations act = {x, ldx, xsum, NULL, NULL, NULL};
+        if (int8) {
+            float *scale = xsum + m * (k / 32);
+            int16_t *sum16 = (int16_t *)(scale + m * (k / 32));
+            int8_t *q = (int8_t *)(sum16 + m * (k / 16));
+            quantize_rows_q8(x, m, ldx, k, q8_group(w->type), q, scale, w->type == T_Q6_K ? sum16 : NULL);
+            act.q = q, act.scale = scale, act.sum16 = sum16;
+        }
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t r0 = 0; r0 < n; r0 += chunk)
-            fused_avx2(w, m, r0, r0 + chunk < n ? r0 + chunk : n, x, ldx, xsum, out, ldo);
+            fused_avx2(w, m, r0, r0 + chunk < n ? r0 + chunk : n, &act, out, ldo);
         free(xsum);
         return 0;
     }

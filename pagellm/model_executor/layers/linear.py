@@ -90,6 +90,15 @@ class Linear(nn.Module):
             self.kernel = kernels.PackedMatmul(self.weight.data.view(torch.uint8), kernels.T.F32, self.input_size)
 
 
+def quantize_activations(model: nn.Module) -> int:
+    """Give every packed layer of `model` int8 activations at decode sizes (`--quantize-activations`: llama.cpp's
+    arithmetic, kernels/linear_int8.h); returns how many layers changed."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_types]
+    for layer in layers:
+        layer.kernel.int8_activations = True
+    return len(layers)
+
+
 @dataclass(frozen=True, slots=True)
 class OutputShard:
     """Rows [start, start + size) of a projection with `total` rows in the checkpoint: what this rank computes."""

@@ -13,6 +13,7 @@ from pagellm.config import ModelConfig
 from pagellm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagellm.kernels import linear as linear_kernels
 from pagellm.logger import init_logger
+from pagellm.model_executor.layers.linear import quantize_activations
 from pagellm.model_executor.model_loader.file_reader import read_file
 from pagellm.model_executor.model_loader.gguf_weights import iterate_gguf_weights
 from pagellm.model_executor.models.registry import get_model_class
@@ -88,4 +89,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     else:
         weights = iterate_weights(model_config.model, mapped)
     model.load_weights(weights, model_config.quantization)
+    if model_config.quantize_activations:
+        logger.info("int8 activations (--quantize-activations) for %d packed layers.", quantize_activations(model))
     return model.eval().requires_grad_(False)

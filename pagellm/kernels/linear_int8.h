@@ -1,0 +1,121 @@
+/* Part of linear_cpu.c (included after its matrix and activation types): the small-M path with int8 activations,
+ * opt-in (`--quantize-activations`), llama.cpp's arithmetic.
+ *
+ * Each activation row is rounded to int8 with one float scale per group: 32 values for the 32-weight types (as
+ * ggml's Q8_0), 256 for K-quants (as Q8_K). A block's products then become an integer dot product: vpmaddubsw
+ * multiplies unsigned weight levels by signed activations and adds pairs, vpmaddwd adds pairs again (times
+ * the sub-block scale, for K-quants), and the block is scaled in float once. That is about a third of the vector
+ * operations per weight of the float path. Offsets and minimums keep the exact float32 activation sums, as in the
+ * float path; the rest of the error is the rounding of each activation, up to half a step of max|x| / 127.
+ */
+
+/* Values per int8 activation scale, by weight type. */
+static inline int64_t q8_group(int type) { return is_k_type(type) ? 256 : 32; }
+
+/* x [m, k] (row stride ldx) as int8 q [m, k] with scale [m, k / group]: per group, scale = max|x| / 127 and
+ * q = round(x / scale). sum16 [m, k / 16] gets the sums of q over each 16 (Q6_K's offset). */
+AVX2 static void quantize_rows_q8(const float *x, int64_t m, int64_t ldx, int64_t k, int64_t group, int8_t *q,
+                                  float *scale, int16_t *sum16) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleaving */
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < k / group; g++) {
+            const float *xg = x + i * ldx + g * group;
+            __m256 amax = _mm256_setzero_ps();
+            for (int64_t j = 0; j < group; j += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xg + j), magnitude));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float max = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            scale[i * (k / group) + g] = max / 127.0f;
+            const __m256 inverse = _mm256_set1_ps(max > 0.0f ? 127.0f / max : 0.0f);
+            int8_t *qg = q + i * k + g * group;
+            for (int64_t j = 0; j < group; j += 32) {
+                __m256i n[4]; /* round to nearest (the default mode); |n| <= 127 */
+                for (int p = 0; p < 4; p++) n[p] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + j + 8 * p), inverse));
+                const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+                _mm256_storeu_si256((__m256i *)(qg + j), _mm256_permutevar8x32_epi32(packed, order));
+            }
+        }
+    for (int64_t i = 0; sum16 != NULL && i < m; i++)
+        for (int64_t c = 0; c < k / 16; c++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) sum += q[i * k + 16 * c + j];
+            sum16[i * (k / 16) + c] = (int16_t)sum;
+        }
+}
+
+/* Eight int32 partial sums of a block's 32 products: unsigned levels times signed activations; Q8_0's signed
+ * levels move their signs onto the activations first (|w| <= 128 fits vpmaddubsw's unsigned operand). */
+AVX2 static inline __attribute__((always_inline)) __m256i block_dot_q8(const int type, __m256i levels, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type == T_Q8_0)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(levels, levels), _mm256_sign_epi8(x, levels)), ones);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(levels, x), ones);
+}
+
+/* K-quant rows [r0, r1) for m activation rows: a super-block's products, each times its integer sub-block scale
+ * (vpmaddwd), add up in int32 and are scaled in float once; Q6_K's -32 comes off as -32 sum_j sc_j sum16_j. */
+AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type, const int m, const pagellm_matrix *w,
+                                                                 int64_t r0, int64_t r1, const activations *act,
+                                                                 float *out, int64_t ldo) {
+    const int64_t k = w->k, supers = k / 256, blocks = k / 32;
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *sb = w->w + r * w->row_bytes;
+        __m256 acc[FUSED_MAX_M], min_acc[FUSED_MAX_M];
+        for (int a = 0; a < m; a++) acc[a] = min_acc[a] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
+            __m256i sum[FUSED_MAX_M];
+            for (int a = 0; a < m; a++) sum[a] = _mm256_setzero_si256();
+            float d;
+            if (type == T_Q4_K) {
+                uint64_t packed_sc, packed_m;
+                q4k_unpack(sb, &packed_sc, &packed_m);
+                const __m256 dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), u8x8_to_ps(packed_m));
+                for (int a = 0; a < m; a++) /* the minimums' term, exact sums: one lane per sub-block */
+                    min_acc[a] = _mm256_fmadd_ps(dmin_m, _mm256_loadu_ps(act->sum + a * blocks + 8 * s), min_acc[a]);
+                uint8_t sc[8];
+                memcpy(sc, &packed_sc, 8);
+                for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1: the low and high nibbles of 32 bytes */
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * c));
+                    const __m256i low = _mm256_and_si256(bytes, nibble);
+                    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                    const __m256i sc_low = _mm256_set1_epi16(sc[2 * c]), sc_high = _mm256_set1_epi16(sc[2 * c + 1]);
+                    for (int a = 0; a < m; a++) {
+                        const int8_t *xq = act->q + a * k + 256 * s + 64 * c;
+                        const __m256i p0 = _mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)xq));
+                        const __m256i p1 = _mm256_maddubs_epi16(high, _mm256_loadu_si256((const __m256i *)(xq + 32)));
+                        sum[a] = _mm256_add_epi32(sum[a], _mm256_add_epi32(_mm256_madd_epi16(p0, sc_low),
+                                                                           _mm256_madd_epi16(p1, sc_high)));
+                    }
+                }
+                d = half_avx2(sb);
+            } else {
+                const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sb + 192)));
+                int16_t sc[16];
+                _mm256_storeu_si256((__m256i *)sc, sc16);
+                for (int half = 0; half < 2; half++) {
+                    __m256i q[4];
+                    q6k_level_bytes(sb + 64 * half, sb + 128 + 32 * half, q);
+                    for (int t = 0; t < 4; t++) { /* 32 weights: sub-blocks of 16 in the 128-bit halves */
+                        const int j = 8 * half + 2 * t;
+                        const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+                        for (int a = 0; a < m; a++) {
+                            const int8_t *xq = act->q + a * k + 256 * s + 128 * half + 32 * t;
+                            const __m256i p = _mm256_maddubs_epi16(q[t], _mm256_loadu_si256((const __m256i *)xq));
+                            sum[a] = _mm256_add_epi32(sum[a], _mm256_madd_epi16(p, scales));
+                        }
+                    }
+                }
+                for (int a = 0; a < m; a++) {
+                    const __m256i sums = _mm256_loadu_si256((const __m256i *)(act->sum16 + a * (k / 16) + 16 * s));
+                    sum[a] = _mm256_sub_epi32(sum[a], _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
+                }
+                d = half_avx2(sb + 208);
+            }
+            for (int a = 0; a < m; a++)
+                acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[a]), _mm256_set1_ps(d * act->scale[a * supers + s]), acc[a]);
+        }
+        for (int a = 0; a < m; a++) out[a * ldo + r] = hsum(acc[a]) - hsum(min_acc[a]);
+    }
+}
