@@ -1,8 +1,13 @@
-"""`pagellm bench accuracy`: what a weight format costs in accuracy, against float32 on the same checkpoint.
+"""`pagellm bench accuracy`: what a weight or arithmetic format costs in accuracy, against float32 on the same
+checkpoint.
 
-Loads the model twice, with `--quantization none` and with the format asked for, and compares (1) the perplexity of
-a text (prompt logprobs of every token) and the mean and largest per-token logprob difference, and (2) greedy
-continuations of a few prompts: tokens identical, and where each first diverges.
+Loads the model twice: the float32 baseline (`--quantization none`) and the format asked for (`--quantization`,
+`--quantize-activations`), and compares
+1. the perplexity of a text (prompt logprobs of every token: prefill, where every format multiplies with float32
+   activations) and the mean and largest per-token logprob difference;
+2. decode steps, where `--quantize-activations` applies: the logprob the format gives each token it generates
+   greedily, against the baseline's logprob of the same token after the same prefix;
+3. greedy continuations: tokens identical, and where each first diverges.
 """
 from __future__ import annotations
 
@@ -20,15 +25,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--greedy-tokens", type=int, default=64)
 
 
-def _measure(llm, text: str, max_tokens: int, greedy_tokens: int) -> tuple[list[float], list[list[int]]]:
+def _prompt_logprobs(llm, ids: list[int]) -> list[float]:
+    """The logprob of every token of `ids` after the ones before it (the first has none)."""
     from pagellm import SamplingParams
 
-    ids = llm.get_tokenizer()(text)["input_ids"][:max_tokens]
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    logprobs = [entry[token].logprob for entry, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
-    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=greedy_tokens, ignore_eos=True),
-                          use_tqdm=False)
-    return logprobs, [g.outputs[0].token_ids for g in greedy]
+    return [entry[token].logprob for entry, token in zip(out[0].prompt_logprobs[1:], ids[1:])]
+
+
+def _greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy continuation and the logprob of every token in it, one prompt at a time (one
+    conversation's decode batch, where `--quantize-activations` applies)."""
+    from pagellm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    return [(o.token_ids, [entry[t].logprob for entry, t in zip(o.logprobs, o.token_ids)]) for o in outputs]
+
+
+def _label(engine_args: dict) -> str:
+    label = engine_args["quantization"] or "default"
+    return label + (" + int8 activations" if engine_args["quantize_activations"] else "")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -37,18 +54,30 @@ def run(args: argparse.Namespace) -> None:
 
     engine_args = vars(EngineArgs.from_cli_args(args))
     text = args.text.read_text(encoding="utf-8")
-    results = {}
-    for quantization in ("none", args.quantization or "none"):
-        llm = LLM(**{**engine_args, "quantization": quantization})
-        results[quantization] = _measure(llm, text, args.max_text_tokens, args.greedy_tokens)
-        del llm
-    (base, base_greedy), (other, other_greedy) = results["none"], results[args.quantization or "none"]
+    baseline = LLM(**{**engine_args, "quantization": "none", "quantize_activations": False})
+    tokenizer = baseline.get_tokenizer()
+    ids = tokenizer(text)["input_ids"][:args.max_text_tokens]
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    base = _prompt_logprobs(baseline, ids)
+    base_greedy = [tokens for tokens, _ in _greedy(baseline, prompts, args.greedy_tokens)]
+    candidate = LLM(**engine_args)
+    other = _prompt_logprobs(candidate, ids)
+    other_greedy = _greedy(candidate, prompts, args.greedy_tokens)
+    # the baseline's logprobs of the candidate's own continuations, token by token after the same prefix
+    decode_deltas = [abs(got - want)
+                     for prompt, (tokens, logprobs) in zip(prompts, other_greedy)
+                     for got, want in zip(logprobs, _prompt_logprobs(baseline, prompt + tokens)[len(prompt) - 1:])]
+    del baseline, candidate
+
+    label = _label(engine_args)
     deltas = [abs(a - b) for a, b in zip(base, other)]
-    same = sum(a == b for x, y in zip(base_greedy, other_greedy) for a, b in zip(x, y))
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-             for x, y in zip(base_greedy, other_greedy)]
+    other_tokens = [tokens for tokens, _ in other_greedy]
+    same = sum(a == b for x, y in zip(base_greedy, other_tokens) for a, b in zip(x, y))
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(base_greedy, other_tokens)]
     print(f"perplexity over {len(base)} tokens of {args.text}: float32 {math.exp(-sum(base) / len(base)):.3f}, "
-          f"{args.quantization} {math.exp(-sum(other) / len(other)):.3f}")
+          f"{label} {math.exp(-sum(other) / len(other)):.3f}")
     print(f"per-token logprob difference: mean {sum(deltas) / len(deltas):.4f}, max {max(deltas):.4f}")
+    print(f"decode-step logprob difference over {len(decode_deltas)} generated tokens: "
+          f"mean {sum(decode_deltas) / len(decode_deltas):.4f}, max {max(decode_deltas):.4f}")
     print(f"greedy tokens identical: {same} of {sum(len(x) for x in base_greedy)}; first divergence per prompt: "
           f"{first}")

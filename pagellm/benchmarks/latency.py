@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> None:
     bandwidth = memory_bandwidth()
     peak = peak_matmul_flops(torch.float32, device)
     print(f"{model_config.served_model_name}: input {args.input_len}, output {args.output_len} tokens, "
-          f"{torch.get_num_threads()} threads, {device}; quantization {model_config.quantization}. "
+          f"{torch.get_num_threads()} threads, {device}; quantization {model_config.quantization}"
+          f"{' + int8 activations' if model_config.quantize_activations else ''}. "
           f"Machine: {bandwidth / 1e9:.1f} GB/s memory read, {peak / 1e9:.0f} GFLOP/s float32 matmul peak.")
     results: list[LatencyResult] = []
     for batch in args.batch_size:

@@ -92,6 +92,7 @@ def test_accuracy_of_int8_against_float32(tiny_model_factory, tmp_path):
     float32, int8 = map(float, re.search(r"float32 ([0-9.]+), int8 ([0-9.]+)", out).groups())
     assert 1 < float32 and 1 < int8 and abs(int8 - float32) / float32 < 0.1  # a close but not identical model
     assert "per-token logprob difference: mean" in out
+    assert "decode-step logprob difference over 32 generated tokens" in out
     assert "greedy tokens identical:" in out and "of 32" in out
 
 

@@ -1,4 +1,5 @@
-"""`--quantization` resolution in EngineArgs: the default per model kind and device, and clear errors."""
+"""`--quantization` (and `--quantize-activations`) resolution in EngineArgs: the default per model kind and device,
+and clear errors."""
 from __future__ import annotations
 
 import pytest
@@ -23,12 +24,14 @@ def test_float_checkpoint_defaults_to_none_and_may_ask_for_int8(tiny_model_facto
     assert resolved(model=model).quantization == "none"
     assert resolved(model=model).gguf_file is None
     assert resolved(model=model, quantization="int8").quantization == "int8"
+    assert resolved(model=model, quantization="int8", quantize_activations=True).quantize_activations
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(quantization="gguf"), "needs a .gguf model file"),
     (dict(quantization="fp8"), "quantization must be one of gguf, int8, none"),
     (dict(quantization="int8", dtype="bfloat16"), "runs on the CPU in float32 only"),
+    (dict(quantize_activations=True), "--quantize-activations works on packed weights"),
 ])
 def test_bad_quantization_is_a_clear_error(tiny_model_factory, kwargs, message):
     with pytest.raises(ValueError, match=message):
