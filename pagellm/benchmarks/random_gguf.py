@@ -19,17 +19,20 @@ T = GGMLQuantizationType
 SHAPES = {"tinyllama-1.1b": (2048, 5632, 32, 4), "llama-3.2-1b": (2048, 8192, 32, 8),
           "llama-3-8b": (4096, 14336, 32, 8)}
 # Byte offsets of the float16 scales (d, dmin) in each block type this writer uses.
-SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,)}
+SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2),
+                 T.Q5_0: (0,)}
+K_MIXES = {"Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K}  # llama.cpp's _M mixes: their main type
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def mix_types(mix: str, layer: int) -> dict[str, GGMLQuantizationType]:
-    """Each projection's type in `layer`: Q4_K_M gives v and ffn_down Q6_K in every other layer (llama.cpp gives
-    them to about half the layers), a single type name gives every matrix that type."""
-    if mix == "Q4_K_M":
-        larger = T.Q6_K if layer % 2 == 0 else T.Q4_K
-        return {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": larger, "attn_output": T.Q4_K, "ffn_gate": T.Q4_K,
-                "ffn_up": T.Q4_K, "ffn_down": larger}
+    """Each projection's type in `layer`: Q4_K_M (Q5_K_M) gives v and ffn_down Q6_K in every other layer (llama.cpp
+    gives them to about half the layers) and the rest Q4_K (Q5_K); a single type name gives every matrix that type."""
+    if mix in K_MIXES:
+        main = K_MIXES[mix]
+        larger = T.Q6_K if layer % 2 == 0 else main
+        return {"attn_q": main, "attn_k": main, "attn_v": larger, "attn_output": main, "ffn_gate": main,
+                "ffn_up": main, "ffn_down": larger}
     return dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), T[mix])
 
 
@@ -37,7 +40,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output", type=Path, help="the .gguf file to write")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
     parser.add_argument("--layers", type=int, default=6, help="decoder layers (the real models have 16-32)")
-    parser.add_argument("--mix", choices=["Q4_K_M", "Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"],
+    parser.add_argument("--mix", choices=[*K_MIXES, "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"],
                         default="Q4_K_M")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             blocks[:, offset:offset + 2] = scales.view(np.uint8)
         writer.add_tensor(name, blocks.reshape(rows, -1), raw_dtype=qtype)
 
-    embedding_type = T.Q6_K if args.mix == "Q4_K_M" else T[args.mix]
+    embedding_type = T.Q6_K if args.mix in K_MIXES else T[args.mix]
     matrix("token_embd.weight", len(vocab), hidden, embedding_type)
     for layer in range(args.layers):
         types, prefix = mix_types(args.mix, layer), f"blk.{layer}."

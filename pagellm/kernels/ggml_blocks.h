@@ -5,8 +5,9 @@
  * A block holds 32 weights: a float16 scale d, a float16 minimum m (Q4_1, Q5_1), a 32-bit word of fifth bits qh
  * (Q5_0, Q5_1), then the quants qs (16 bytes of nibbles, or 32 int8 for Q8_0).
  *
- * K-quants (Q4_K, Q6_K) hold 256 weights per super-block, in sub-blocks of 32 (Q4_K: a 6-bit scale and minimum
- * each, times the super-block's d and dmin) or 16 (Q6_K: an int8 scale each, times d); they are read plain.
+ * K-quants (Q4_K, Q5_K, Q6_K) hold 256 weights per super-block, in sub-blocks of 32 (Q4_K, Q5_K: a 6-bit scale and
+ * minimum each, times the super-block's d and dmin; Q5_K adds a fifth bit per weight) or 16 (Q6_K: an int8 scale
+ * each, times d); they are read plain.
  *
  * Two layouts of a matrix of 32-weight blocks, both rows x row_bytes bytes in all:
  * - plain: each row a run of blocks, exactly as in the GGUF file;
@@ -28,8 +29,8 @@
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14,
-       T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
+       T_Q6_K = 14, T_BF16 = 30 };
 
 static inline int is_block_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
@@ -38,8 +39,10 @@ static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
 static inline int quant_bytes(int t) { return t == T_Q8_0 ? 32 : 16; }
 static inline int64_t block_bytes(int t) { return 2 + 2 * has_min(t) + 4 * five_bit(t) + quant_bytes(t); }
 static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; } /* float types */
-static inline int is_k_type(int t) { return t == T_Q4_K || t == T_Q6_K; }
-static inline int64_t super_block_bytes(int t) { return t == T_Q4_K ? 144 : 210; } /* K types, 256 weights */
+static inline int is_k_type(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static inline int64_t super_block_bytes(int t) { return t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210; } /* 256 weights */
+/* Q4_K and Q5_K: d, dmin, 12 bytes of scales and minimums, (Q5_K) 32 bytes of fifth bits, 128 bytes of nibbles */
+static inline int k_nibbles_at(int t) { return t == T_Q5_K ? 48 : 16; }
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -131,17 +134,20 @@ static inline void q4k_scale_min(const uint8_t *scales, int j, int *sc, int *m) 
     }
 }
 
-/* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32). */
+/* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K and Q5_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32). */
 static void dequant_super_block_scalar(int type, const uint8_t *sb, float *dst) {
-    if (type == T_Q4_K) {
+    if (type != T_Q6_K) {
         const float d = fp16_to_fp32(load_u16(sb)), dmin = fp16_to_fp32(load_u16(sb + 2));
-        const uint8_t *qs = sb + 16;
+        const uint8_t *qs = sb + k_nibbles_at(type), *qh = sb + 16;
         for (int j = 0; j < 8; j++) { /* sub-blocks 2c and 2c + 1 share 32 bytes: low, then high nibbles */
             int sc, m;
             q4k_scale_min(sb + 4, j, &sc, &m);
             const float d1 = d * (float)sc, m1 = dmin * (float)m;
             const uint8_t *q = qs + 32 * (j / 2);
-            for (int l = 0; l < 32; l++) dst[32 * j + l] = d1 * (float)((j & 1) ? q[l] >> 4 : q[l] & 0x0f) - m1;
+            for (int l = 0; l < 32; l++) {
+                const int fifth = type == T_Q5_K ? ((qh[l] >> j) & 1) << 4 : 0; /* Q5_K: bit j of qh[l] */
+                dst[32 * j + l] = d1 * (float)(((j & 1) ? q[l] >> 4 : q[l] & 0x0f) | fifth) - m1;
+            }
         }
         return;
     }
@@ -199,12 +205,27 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
         f[p] = _mm256_cvtepi32_ps(with_offset && level_offset(type) ? _mm256_sub_epi32(q[p], offset) : q[p]);
 }
 
-/* Q4_K sub-blocks 2c and 2c + 1: their 32 levels each, the low and the high nibbles of the same 32 bytes q. */
-AVX2 static inline __attribute__((always_inline)) void q4k_levels(const uint8_t *q, __m256 low[4], __m256 high[4]) {
+/* Bit b (0..7) of every lane of h, moved to bit 4 (the value 16 or 0). */
+AVX2 static inline __attribute__((always_inline)) __m256i bit_at_4(__m256i h, const int b) {
+    const __m256i moved = b <= 4 ? _mm256_slli_epi32(h, 4 - b) : _mm256_srli_epi32(h, b - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi32(16));
+}
+
+/* Q4_K / Q5_K sub-blocks 2c and 2c + 1 of super-block sb: their 32 levels each, the low and the high nibbles of
+ * the same 32 bytes (and, Q5_K, bits 2c and 2c + 1 of the 32 qh bytes as fifth bits). */
+AVX2 static inline __attribute__((always_inline)) void k_nibble_levels(const int type, const uint8_t *sb, int c,
+                                                                      __m256 low[4], __m256 high[4]) {
+    const uint8_t *q = sb + k_nibbles_at(type) + 32 * c;
     for (int p = 0; p < 4; p++) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * p)));
-        low[p] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
-        high[p] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x0f)), hi = _mm256_srli_epi32(v, 4);
+        if (type == T_Q5_K) {
+            const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 16 + 8 * p)));
+            lo = _mm256_or_si256(lo, bit_at_4(h, 2 * c));
+            hi = _mm256_or_si256(hi, bit_at_4(h, 2 * c + 1));
+        }
+        low[p] = _mm256_cvtepi32_ps(lo);
+        high[p] = _mm256_cvtepi32_ps(hi);
     }
 }
 
@@ -276,11 +297,11 @@ AVX2 static inline __attribute__((always_inline)) void q6k_level_bytes(const uin
 
 /* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */
 AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, float *dst) {
-    if (type == T_Q4_K) {
+    if (type != T_Q6_K) {
         const float d = half_avx2(sb), dmin = half_avx2(sb + 2);
         for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
             __m256 levels[2][4];
-            q4k_levels(sb + 16 + 32 * c, levels[0], levels[1]);
+            k_nibble_levels(type, sb, c, levels[0], levels[1]);
             for (int h = 0; h < 2; h++, dst += 32) {
                 int sc, m;
                 q4k_scale_min(sb + 4, 2 * c + h, &sc, &m);

@@ -1,5 +1,5 @@
 /* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
- * Q6_K.
+ * Q5_K, Q6_K.
  *
  * Arithmetic: activations stay float32 (never quantized, unlike llama.cpp) and every product is accumulated in
  * float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float weights bit for
@@ -194,6 +194,7 @@ AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int6
     case T_Q5_1: fused_typed(T_Q5_1, m, w, r0, r1, act, out, ldo); return;
     case T_Q8_0: fused_typed(T_Q8_0, m, w, r0, r1, act, out, ldo); return;
     case T_Q4_K: fused_typed(T_Q4_K, m, w, r0, r1, act, out, ldo); return;
+    case T_Q5_K: fused_typed(T_Q5_K, m, w, r0, r1, act, out, ldo); return;
     case T_Q6_K: fused_typed(T_Q6_K, m, w, r0, r1, act, out, ldo); return;
     }
 }

@@ -162,7 +162,7 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
         }
         for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
             __m256 f[4];
-            if (type == T_Q4_K) {
+            if (type != T_Q6_K) { /* Q4_K, Q5_K */
                 __m256 d_sc, dmin_m;
                 q4k_scales(sb, &d_sc, &dmin_m);
                 _mm256_storeu_ps(scale, d_sc);
@@ -170,7 +170,7 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                     min_acc[a] = _mm256_fmadd_ps(dmin_m, _mm256_loadu_ps(xsum + a * blocks + 8 * s), min_acc[a]);
                 for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
                     __m256 high[4];
-                    q4k_levels(sb + 16 + 32 * c, f, high);
+                    k_nibble_levels(type, sb, c, f, high);
                     const __m256 d_low = _mm256_broadcast_ss(scale + 2 * c), d_high = _mm256_broadcast_ss(scale + 2 * c + 1);
                     for (int a = 0; a < m; a++) {
                         const float *xb = x + a * ldx + 256 * s + 64 * c;

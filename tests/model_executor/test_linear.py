@@ -38,10 +38,10 @@ def test_quantization_none_dequantizes_and_unsupported_types_fall_back():
     assert not layer.packed_types
     torch.testing.assert_close(layer.weight.data, packed(48, 96, QT.Q8_0).dequantize(), rtol=0, atol=0)
 
-    q5_k = PackedTensor(QT.Q5_K, torch.zeros(4, 176, dtype=torch.uint8), (4, 256))
+    q3_k = PackedTensor(QT.Q3_K, torch.zeros(4, 110, dtype=torch.uint8), (4, 256))
     layer = Linear(256, 4)
-    layer.load_weight(q5_k, "gguf")  # no kernel for Q5_K: float32, exactly dequantized
-    assert not layer.packed_types and torch.equal(layer.weight.data, q5_k.dequantize())
+    layer.load_weight(q3_k, "gguf")  # no kernel for Q3_K: float32, exactly dequantized
+    assert not layer.packed_types and torch.equal(layer.weight.data, q3_k.dequantize())
 
 
 def test_k_quants_stay_packed():
