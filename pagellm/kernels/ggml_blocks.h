@@ -229,7 +229,7 @@ AVX2 static inline __attribute__((always_inline)) void k_nibble_levels(const int
     }
 }
 
-/* Q4_K: the eight 6-bit sub-block scales (bytes of *sc) and minimums (*m) from the super-block's 12 packed
+/* Q4_K, Q5_K: the eight 6-bit sub-block scales (bytes of *sc) and minimums (*m) from the super-block's 12 packed
  * bytes, all at once, four per 32-bit word. */
 static inline void q4k_unpack(const uint8_t *sb, uint64_t *sc, uint64_t *m) {
     const uint32_t w0 = load_u32(sb + 4), w1 = load_u32(sb + 8), w2 = load_u32(sb + 12);
@@ -240,7 +240,7 @@ static inline void q4k_unpack(const uint8_t *sb, uint64_t *sc, uint64_t *m) {
 /* Eight unsigned bytes (the low 64 bits) as eight floats. */
 AVX2 static inline __m256 u8x8_to_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
 
-/* Q4_K: the eight sub-block scales times d and minimums times dmin, as ggml rounds them (d * sc, dmin * m). */
+/* Q4_K, Q5_K: the eight sub-block scales times d and minimums times dmin, as ggml rounds them (d * sc, dmin * m). */
 AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *sb, __m256 *d_sc, __m256 *dmin_m) {
     uint64_t sc, m;
     q4k_unpack(sb, &sc, &m);

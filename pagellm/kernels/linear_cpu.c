@@ -1,12 +1,14 @@
 /* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
  * Q5_K, Q6_K.
  *
- * Arithmetic: activations stay float32 (never quantized, unlike llama.cpp) and every product is accumulated in
- * float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float weights bit for
- * bit (compiled with -ffp-contract=off, so `d * q + m` is rounded twice as there). The small-M path regroups each
- * block's products around its scales, d * sum(q x) + m * sum(x): the same sum up to float32 rounding.
+ * Arithmetic: by default activations stay float32 (never quantized, unlike llama.cpp) and every product is
+ * accumulated in float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float
+ * weights bit for bit (compiled with -ffp-contract=off, so `d * q + m` is rounded twice as there). The small-M path
+ * regroups each block's products around its scales, d * sum(q x) + m * sum(x): the same sum up to float32
+ * rounding. A matrix with `int8_activations` set takes llama.cpp's arithmetic on that path instead (linear_int8.h).
  *
- * Work split: for up to FUSED_MAX_M activation rows each block is decoded in registers, once for all of them,
+ * Work split: for a few activation rows (up to PACKED_FUSED_MAX_ROWS, INT8_MAX_ROWS with int8 activations,
+ * FUSED_MAX_M for float weights) each block is decoded in registers, once for every FUSED_MAX_M of them,
  * streaming the packed weights once; 32-weight block types go four weight rows at a time through the interleaved
  * layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded. For more rows, output rows go
  * in tiles of TILE_ROWS: each tile is dequantized into a small float buffer that stays in L1/L2 and multiplied
@@ -150,7 +152,12 @@ AVX2 static void tile_gemm_avx2(const float *x, int64_t mb, int64_t ldx, const f
 }
 
 /* ---- small M: the block decoded in registers, no buffer (linear_fused.h; linear_int8.h when opted in) ---- */
-#define FUSED_MAX_M 4
+#define FUSED_MAX_M 4 /* activation rows per kernel call: the register budget */
+/* Up to how many rows the small-M path beats dequantized tiles, calling the kernels FUSED_MAX_M rows at a time
+ * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12); with int8
+ * activations up to 32 (1.8x at 8, 1.12x at 32, even at 48-64); float weights only at FUSED_MAX_M (0.96x at 5). */
+#define PACKED_FUSED_MAX_ROWS 8
+#define INT8_MAX_ROWS 32
 #include "linear_int8.h"
 #include "linear_fused.h"
 
@@ -259,8 +266,9 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     if (!valid(w)) return -1;
     const int64_t n = w->n, k = w->k;
 #if HAVE_X86
-    if (w->use_avx2 && m <= FUSED_MAX_M && k % 32 == 0) {
-        const int int8 = w->int8_activations && !is_float_type(w->type);
+    const int int8 = w->int8_activations && !is_float_type(w->type);
+    if (w->use_avx2 && m <= (int8 ? INT8_MAX_ROWS : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS) &&
+        k % 32 == 0) {
         /* one allocation: exact block sums, then (int8) scales, sums of 16 and the int8 rows */
         float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 2 * sizeof(float) + 4 + 32 : sizeof(float)));
         if (xsum == NULL) return -2;
@@ -270,18 +278,22 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
                 for (int j = 0; j < 32; j++) s += x[i * ldx + b * 32 + j];
                 xsum[i * (k / 32) + b] = s;
             }
-        activations act = {x, ldx, xsum, NULL, NULL, NULL};
-        if (int8) {
-            float *scale = xsum + m * (k / 32);
-            int16_t *sum16 = (int16_t *)(scale + m * (k / 32));
-            int8_t *q = (int8_t *)(sum16 + m * (k / 16));
-            quantize_rows_q8(x, m, ldx, k, q8_group(w->type), q, scale, w->type == T_Q6_K ? sum16 : NULL);
-            act.q = q, act.scale = scale, act.sum16 = sum16;
-        }
+        float *scale = xsum + m * (k / 32);
+        int16_t *sum16 = (int16_t *)(scale + m * (k / 32));
+        int8_t *q = (int8_t *)(sum16 + m * (k / 16));
+        const int64_t group = q8_group(w->type);
+        if (int8) quantize_rows_q8(x, m, ldx, k, group, q, scale, w->type == T_Q6_K ? sum16 : NULL);
+        /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
+         * rows, which stay in cache between them: the weights are still streamed from memory once. */
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t r0 = 0; r0 < n; r0 += chunk)
-            fused_avx2(w, m, r0, r0 + chunk < n ? r0 + chunk : n, &act, out, ldo);
+            for (int64_t a0 = 0; a0 < m; a0 += FUSED_MAX_M) {
+                const activations act = {x + a0 * ldx, ldx, xsum + a0 * (k / 32), int8 ? q + a0 * k : NULL,
+                                         scale + a0 * (k / group), sum16 + a0 * (k / 16)};
+                fused_avx2(w, m - a0 < FUSED_MAX_M ? m - a0 : FUSED_MAX_M, r0, r0 + chunk < n ? r0 + chunk : n, &act,
+                           out + a0 * ldo, ldo);
+            }
         free(xsum);
         return 0;
     }

@@ -9,6 +9,7 @@
  * the result differs from the tile path only by float32 rounding. Specialised per type and per M
  * (always_inline with constants).
  */
+
 /* A float type's 32 values (block `ref`) as four vectors of 8. */
 AVX2 static inline __attribute__((always_inline)) void float_block(const int type, block_ref ref, __m256 f[4]) {
     for (int p = 0; p < 4; p++) {

@@ -65,7 +65,7 @@ def assert_matmul_close(got: np.ndarray, x: np.ndarray, dequantized: np.ndarray,
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 37, 96), (2, 5, 32), (3, 64, 160), (4, 1, 64),
-                                                             (5, 19, 96), (17, 33, 128)])
+                                                             (5, 19, 96), (8, 12, 64), (17, 33, 128)])
 def test_linear_matches_numpy(isa, qtype, rows, out_features, in_features):
     rng = np.random.default_rng(rows * 1000 + out_features)
     packed = encode(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
@@ -93,7 +93,7 @@ def test_dequantize_rows_is_exact(isa, qtype):
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 37, 256), (3, 5, 512), (4, 2, 256), (5, 19, 256),
-                                                             (17, 8, 512)])
+                                                             (7, 4, 256), (17, 8, 512)])
 def test_k_quants_match_numpy(isa, qtype, rows, out_features, in_features):
     rng = np.random.default_rng(rows)
     packed = encode(np.zeros((out_features, in_features), np.float32), qtype)
