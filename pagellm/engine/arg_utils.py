@@ -165,8 +165,8 @@ class EngineArgs:
                                  "model on the CPU, none otherwise")
         parser.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.quantize_activations,
-                            help="round activations to int8 per block before multiplying with packed weights at "
-                                 "decode batch sizes (llama.cpp's arithmetic): faster, no longer exact")
+                            help="round activations to int8 per block before multiplying with packed weights, in "
+                                 "matmuls of up to 32 rows (decode; llama.cpp's arithmetic): faster, no longer exact")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.enable_prefix_caching,
                             help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "

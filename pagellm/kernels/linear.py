@@ -131,8 +131,8 @@ class PackedMatmul:
 
     @property
     def int8_activations(self) -> bool:
-        """Whether decode-sized products round the activations to int8 first (llama.cpp's arithmetic,
-        linear_int8.h), instead of the exact float32 default. Float weights ignore it."""
+        """Whether products of up to 32 activation rows (decode) round the activations to int8 first (llama.cpp's
+        arithmetic, linear_int8.h), instead of the exact float32 default. Float weights ignore it."""
         return bool(self._matrix.int8_activations)
 
     @int8_activations.setter
