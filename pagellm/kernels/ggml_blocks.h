@@ -5,9 +5,7 @@
  * A block holds 32 weights: a float16 scale d, a float16 minimum m (Q4_1, Q5_1), a 32-bit word of fifth bits qh
  * (Q5_0, Q5_1), then the quants qs (16 bytes of nibbles, or 32 int8 for Q8_0).
  *
- * K-quants (Q4_K, Q5_K, Q6_K) hold 256 weights per super-block, in sub-blocks of 32 (Q4_K, Q5_K: a 6-bit scale and
- * minimum each, times the super-block's d and dmin; Q5_K adds a fifth bit per weight) or 16 (Q6_K: an int8 scale
- * each, times d); they are read plain.
+ * K-quants (256 weights per super-block, read plain) are decoded in ggml_k_quants.h.
  *
  * Two layouts of a matrix of 32-weight blocks, both rows x row_bytes bytes in all:
  * - plain: each row a run of blocks, exactly as in the GGUF file;
@@ -29,8 +27,8 @@
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13,
-       T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12,
+       T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
 static inline int is_block_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
@@ -39,10 +37,7 @@ static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
 static inline int quant_bytes(int t) { return t == T_Q8_0 ? 32 : 16; }
 static inline int64_t block_bytes(int t) { return 2 + 2 * has_min(t) + 4 * five_bit(t) + quant_bytes(t); }
 static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; } /* float types */
-static inline int is_k_type(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
-static inline int64_t super_block_bytes(int t) { return t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210; } /* 256 weights */
-/* Q4_K and Q5_K: d, dmin, 12 bytes of scales and minimums, (Q5_K) 32 bytes of fifth bits, 128 bytes of nibbles */
-static inline int k_nibbles_at(int t) { return t == T_Q5_K ? 48 : 16; }
+static inline int is_k_type(int t) { return t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -123,46 +118,6 @@ static void dequant_block_scalar(int type, block_ref ref, float *dst) {
     }
 }
 
-/* Q4_K: scale and minimum (6 bits each) of sub-block j (0..7) from the super-block's 12 packed bytes. */
-static inline void q4k_scale_min(const uint8_t *scales, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = scales[j] & 63;
-        *m = scales[j + 4] & 63;
-    } else {
-        *sc = (scales[j + 4] & 0x0f) | ((scales[j - 4] >> 6) << 4);
-        *m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
-    }
-}
-
-/* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K and Q5_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32). */
-static void dequant_super_block_scalar(int type, const uint8_t *sb, float *dst) {
-    if (type != T_Q6_K) {
-        const float d = fp16_to_fp32(load_u16(sb)), dmin = fp16_to_fp32(load_u16(sb + 2));
-        const uint8_t *qs = sb + k_nibbles_at(type), *qh = sb + 16;
-        for (int j = 0; j < 8; j++) { /* sub-blocks 2c and 2c + 1 share 32 bytes: low, then high nibbles */
-            int sc, m;
-            q4k_scale_min(sb + 4, j, &sc, &m);
-            const float d1 = d * (float)sc, m1 = dmin * (float)m;
-            const uint8_t *q = qs + 32 * (j / 2);
-            for (int l = 0; l < 32; l++) {
-                const int fifth = type == T_Q5_K ? ((qh[l] >> j) & 1) << 4 : 0; /* Q5_K: bit j of qh[l] */
-                dst[32 * j + l] = d1 * (float)(((j & 1) ? q[l] >> 4 : q[l] & 0x0f) | fifth) - m1;
-            }
-        }
-        return;
-    }
-    const uint8_t *ql = sb, *qh = sb + 128;
-    const int8_t *scales = (const int8_t *)(sb + 192);
-    const float d = fp16_to_fp32(load_u16(sb + 208));
-    for (int half = 0; half < 2; half++, ql += 64, qh += 32, scales += 8, dst += 128)
-        for (int t = 0; t < 4; t++) /* 32 weights: low or high nibbles of ql, bits 2t, 2t + 1 of qh */
-            for (int l = 0; l < 32; l++) {
-                const int low = (t < 2 ? ql[l + 32 * t] & 0x0f : ql[l + 32 * (t - 2)] >> 4);
-                const int q = (low | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
-                dst[32 * t + l] = d * (float)scales[2 * t + l / 16] * (float)q;
-            }
-}
-
 /* ---- AVX2 + FMA + F16C ------------------------------------------------------------------------------ */
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -205,67 +160,6 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
         f[p] = _mm256_cvtepi32_ps(with_offset && level_offset(type) ? _mm256_sub_epi32(q[p], offset) : q[p]);
 }
 
-/* Bit b (0..7) of every lane of h, moved to bit 4 (the value 16 or 0). */
-AVX2 static inline __attribute__((always_inline)) __m256i bit_at_4(__m256i h, const int b) {
-    const __m256i moved = b <= 4 ? _mm256_slli_epi32(h, 4 - b) : _mm256_srli_epi32(h, b - 4);
-    return _mm256_and_si256(moved, _mm256_set1_epi32(16));
-}
-
-/* Q4_K / Q5_K sub-blocks 2c and 2c + 1 of super-block sb: their 32 levels each, the low and the high nibbles of
- * the same 32 bytes (and, Q5_K, bits 2c and 2c + 1 of the 32 qh bytes as fifth bits). */
-AVX2 static inline __attribute__((always_inline)) void k_nibble_levels(const int type, const uint8_t *sb, int c,
-                                                                      __m256 low[4], __m256 high[4]) {
-    const uint8_t *q = sb + k_nibbles_at(type) + 32 * c;
-    for (int p = 0; p < 4; p++) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * p)));
-        __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x0f)), hi = _mm256_srli_epi32(v, 4);
-        if (type == T_Q5_K) {
-            const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 16 + 8 * p)));
-            lo = _mm256_or_si256(lo, bit_at_4(h, 2 * c));
-            hi = _mm256_or_si256(hi, bit_at_4(h, 2 * c + 1));
-        }
-        low[p] = _mm256_cvtepi32_ps(lo);
-        high[p] = _mm256_cvtepi32_ps(hi);
-    }
-}
-
-/* Q4_K, Q5_K: the eight 6-bit sub-block scales (bytes of *sc) and minimums (*m) from the super-block's 12 packed
- * bytes, all at once, four per 32-bit word. */
-static inline void q4k_unpack(const uint8_t *sb, uint64_t *sc, uint64_t *m) {
-    const uint32_t w0 = load_u32(sb + 4), w1 = load_u32(sb + 8), w2 = load_u32(sb + 12);
-    *sc = (uint64_t)(w0 & 0x3f3f3f3fu) | (uint64_t)((w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u)) << 32;
-    *m = (uint64_t)(w1 & 0x3f3f3f3fu) | (uint64_t)(((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)) << 32;
-}
-
-/* Eight unsigned bytes (the low 64 bits) as eight floats. */
-AVX2 static inline __m256 u8x8_to_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
-
-/* Q4_K, Q5_K: the eight sub-block scales times d and minimums times dmin, as ggml rounds them (d * sc, dmin * m). */
-AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *sb, __m256 *d_sc, __m256 *dmin_m) {
-    uint64_t sc, m;
-    q4k_unpack(sb, &sc, &m);
-    *d_sc = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb)), u8x8_to_ps(sc));
-    *dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), u8x8_to_ps(m));
-}
-
-/* Q6_K: the 128 levels (q - 32) of a half super-block (ql: its 64 bytes, qh: its 32) as f[quarter][vector]: each
- * byte is loaded once for the quarters that share it (ql's low and high nibbles, qh's four bit pairs). */
-AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t *ql, const uint8_t *qh, __m256 f[4][4]) {
-    const __m256i nibble = _mm256_set1_epi32(0x0f), bias = _mm256_set1_epi32(32);
-    for (int p = 0; p < 4; p++) {
-        const __m256i l0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 8 * p)));
-        const __m256i l1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + 8 * p)));
-        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * p)));
-        /* bits 2t, 2t + 1 of qh become bits 4, 5 of quarter t's levels */
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, nibble), _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4)),
-            _mm256_or_si256(_mm256_and_si256(l1, nibble), _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(12)), 2)),
-            _mm256_or_si256(_mm256_srli_epi32(l0, 4), _mm256_and_si256(h, _mm256_set1_epi32(48))),
-            _mm256_or_si256(_mm256_srli_epi32(l1, 4), _mm256_srli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(192)), 2))};
-        for (int t = 0; t < 4; t++) f[t][p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[t], bias));
-    }
-}
-
 /* ---- levels as bytes, for integer dot products (int8 activations) ---- */
 
 /* The block's 32 levels as bytes in element order: unsigned (without ggml's offset) for the nibble types, the
@@ -281,48 +175,6 @@ AVX2 static inline __attribute__((always_inline)) __m256i block_level_bytes(cons
         v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10)));
     }
     return v;
-}
-
-/* Q6_K: the 128 levels of a half super-block (ql: its 64 bytes, qh: its 32) as unsigned bytes q (0..63, ggml's
- * -32 left to the caller), q[t] holding quarter t: bits 2t, 2t + 1 of qh become bits 4, 5 of quarter t. */
-AVX2 static inline __attribute__((always_inline)) void q6k_level_bytes(const uint8_t *ql, const uint8_t *qh, __m256i q[4]) {
-    const __m256i nibble = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30); /* 16-bit shifts, masked after */
-    const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-    q[0] = _mm256_or_si256(_mm256_and_si256(l0, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
-    q[1] = _mm256_or_si256(_mm256_and_si256(l1, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
-    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble), _mm256_and_si256(h, top));
-    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
-}
-
-/* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */
-AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, float *dst) {
-    if (type != T_Q6_K) {
-        const float d = half_avx2(sb), dmin = half_avx2(sb + 2);
-        for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
-            __m256 levels[2][4];
-            k_nibble_levels(type, sb, c, levels[0], levels[1]);
-            for (int h = 0; h < 2; h++, dst += 32) {
-                int sc, m;
-                q4k_scale_min(sb + 4, 2 * c + h, &sc, &m);
-                const __m256 d1 = _mm256_set1_ps(d * (float)sc), m1 = _mm256_set1_ps(dmin * (float)m);
-                for (int p = 0; p < 4; p++)
-                    _mm256_storeu_ps(dst + 8 * p, _mm256_sub_ps(_mm256_mul_ps(d1, levels[h][p]), m1));
-            }
-        }
-        return;
-    }
-    const float d = half_avx2(sb + 208);
-    const int8_t *scales = (const int8_t *)(sb + 192);
-    for (int half = 0; half < 2; half++) {
-        __m256 levels[4][4];
-        q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
-        for (int t = 0; t < 4; t++, dst += 32)
-            for (int p = 0; p < 4; p++) {
-                const __m256 scale = _mm256_set1_ps(d * (float)scales[8 * half + 2 * t + p / 2]);
-                _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(scale, levels[t][p]));
-            }
-    }
 }
 
 /* A block of a block type as 32 floats, bit-identical to dequant_block_scalar. */

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "ggml_blocks.h"
+#include "ggml_k_quants.h"
 
 #define TILE_ROWS 4
 #define MR 3 /* activation rows per micro-kernel call */
