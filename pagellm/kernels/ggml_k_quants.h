@@ -27,9 +27,37 @@ static inline void q4k_scale_min(const uint8_t *scales, int j, int *sc, int *m) 
     }
 }
 
-/* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K and Q5_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32). */
+/* Q3_K: the sixteen 6-bit sub-block scales less 32, from the 12 packed bytes at sb + 96 (ggml's word shuffle). */
+static inline void q3k_scales(const uint8_t *sb, int8_t scales[16]) {
+    uint32_t aux[4];
+    memcpy(aux, sb + 96, 12);
+    const uint32_t tmp = aux[2], low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    aux[2] = ((aux[0] >> 4) & low4) | (((tmp >> 4) & top2) << 4);
+    aux[3] = ((aux[1] >> 4) & low4) | (((tmp >> 6) & top2) << 4);
+    aux[0] = (aux[0] & low4) | ((tmp & top2) << 4);
+    aux[1] = (aux[1] & low4) | (((tmp >> 2) & top2) << 4);
+    memcpy(scales, aux, 16);
+    for (int j = 0; j < 16; j++) scales[j] = (int8_t)(scales[j] - 32);
+}
+
+/* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K and Q5_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32),
+ * Q3_K (d sc) q with q = (two bits) - 4 unless the high bit is set. */
 static void dequant_super_block_scalar(int type, const uint8_t *sb, float *dst) {
-    if (type != T_Q6_K) {
+    if (type == T_Q3_K) { /* 128-weight halves n; in each, quarter j takes bits 2j, 2j + 1 of 32 bytes */
+        int8_t scales[16];
+        q3k_scales(sb, scales);
+        const float d = fp16_to_fp32(load_u16(sb + 108));
+        for (int n = 0; n < 2; n++)
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++, dst += 16) { /* two sub-blocks of 16 */
+                    const float dl = d * (float)scales[8 * n + 2 * j + h];
+                    const uint8_t *q = sb + 32 + 32 * n + 16 * h, *high = sb + 16 * h;
+                    for (int l = 0; l < 16; l++)
+                        dst[l] = dl * (float)(((q[l] >> (2 * j)) & 3) - ((high[l] >> (4 * n + j)) & 1 ? 0 : 4));
+                }
+        return;
+    }
+    if (is_k_nibble_type(type)) {
         const float d = fp16_to_fp32(load_u16(sb)), dmin = fp16_to_fp32(load_u16(sb + 2));
         const uint8_t *qs = sb + k_nibbles_at(type), *qh = sb + 16;
         for (int j = 0; j < 8; j++) { /* sub-blocks 2c and 2c + 1 share 32 bytes: low, then high nibbles */
@@ -130,9 +158,62 @@ AVX2 static inline __attribute__((always_inline)) void q6k_level_bytes(const uin
     q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
 }
 
+/* Q3_K: q3k_scales as sixteen int8 lanes, built in registers (a trip through memory as four words read back as one
+ * vector stalls store forwarding, which cost more than the rest of the super-block). */
+AVX2 static inline __m128i q3k_scales_avx2(const uint8_t *sb) {
+    const uint32_t a0 = load_u32(sb + 96), a1 = load_u32(sb + 100), tmp = load_u32(sb + 104);
+    const uint32_t low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    const __m128i words = _mm_setr_epi32((int)((a0 & low4) | ((tmp & top2) << 4)),
+                                         (int)((a1 & low4) | (((tmp >> 2) & top2) << 4)),
+                                         (int)(((a0 >> 4) & low4) | (((tmp >> 4) & top2) << 4)),
+                                         (int)(((a1 >> 4) & low4) | (((tmp >> 6) & top2) << 4)));
+    return _mm_sub_epi8(words, _mm_set1_epi8(32));
+}
+
+/* Q3_K: the 128 levels of half n of the super-block as f[quarter][vector], as q6k_levels: bits 2j, 2j + 1 of the
+ * half's 32 bytes, less 4 where bit 4n + j of the weight's hmask byte is clear. */
+AVX2 static inline __attribute__((always_inline)) void q3k_levels(const uint8_t *sb, int n, __m256 f[4][4]) {
+    const __m256i pair = _mm256_set1_epi32(3), four = _mm256_set1_epi32(4);
+    for (int p = 0; p < 4; p++) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 32 + 32 * n + 8 * p)));
+        /* the half's four hmask bits at bits 0..3, then each moved to bit 2 with one constant shift */
+        const __m256i high = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 8 * p))), 4 * n);
+        const __m256i set[4] = {_mm256_slli_epi32(high, 2), _mm256_slli_epi32(high, 1), high, _mm256_srli_epi32(high, 1)};
+        const __m256i two[4] = {_mm256_and_si256(q, pair), _mm256_and_si256(_mm256_srli_epi32(q, 2), pair),
+                                _mm256_and_si256(_mm256_srli_epi32(q, 4), pair), _mm256_srli_epi32(q, 6)};
+        for (int j = 0; j < 4; j++)
+            f[j][p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(two[j], _mm256_and_si256(set[j], four)), four));
+    }
+}
+
+/* Q3_K: the 128 levels of half n as unsigned bytes (0..7, the -4 left to the caller), q[j] holding quarter j. */
+AVX2 static inline __attribute__((always_inline)) void q3k_level_bytes(const uint8_t *sb, int n, __m256i q[4]) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)(sb + 32 + 32 * n)), pair = _mm256_set1_epi8(3);
+    /* 16-bit shifts, masked per byte after: the half's hmask bits 4n..4n + 3 moved to bit 2 one at a time (the
+     * first shift may carry bits between bytes, but never into the bit 2 the mask keeps) */
+    const __m256i high = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)sb), 4 * n), four = _mm256_set1_epi8(4);
+    const __m256i set[4] = {_mm256_slli_epi16(high, 2), _mm256_slli_epi16(high, 1), high, _mm256_srli_epi16(high, 1)};
+    const __m256i two[4] = {bits, _mm256_srli_epi16(bits, 2), _mm256_srli_epi16(bits, 4), _mm256_srli_epi16(bits, 6)};
+    for (int j = 0; j < 4; j++) q[j] = _mm256_or_si256(_mm256_and_si256(two[j], pair), _mm256_and_si256(set[j], four));
+}
+
 /* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */
 AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, float *dst) {
-    if (type != T_Q6_K) {
+    if (type == T_Q3_K) {
+        int8_t scales[16];
+        _mm_storeu_si128((__m128i *)scales, q3k_scales_avx2(sb));
+        const float d = half_avx2(sb + 108);
+        for (int n = 0; n < 2; n++) {
+            __m256 levels[4][4];
+            q3k_levels(sb, n, levels);
+            for (int j = 0; j < 4; j++, dst += 32)
+                for (int p = 0; p < 4; p++)
+                    _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(_mm256_set1_ps(d * (float)scales[8 * n + 2 * j + p / 2]),
+                                                                levels[j][p]));
+        }
+        return;
+    }
+    if (is_k_nibble_type(type)) {
         const float d = half_avx2(sb), dmin = half_avx2(sb + 2);
         for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
             __m256 levels[2][4];

@@ -1,5 +1,5 @@
-/* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
- * Q5_K, Q6_K.
+/* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K,
+ * Q4_K, Q5_K, Q6_K.
  *
  * Arithmetic: by default activations stay float32 (never quantized, unlike llama.cpp) and every product is
  * accumulated in float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float
@@ -201,6 +201,7 @@ AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int6
     case T_Q5_0: fused_typed(T_Q5_0, m, w, r0, r1, act, out, ldo); return;
     case T_Q5_1: fused_typed(T_Q5_1, m, w, r0, r1, act, out, ldo); return;
     case T_Q8_0: fused_typed(T_Q8_0, m, w, r0, r1, act, out, ldo); return;
+    case T_Q3_K: fused_typed(T_Q3_K, m, w, r0, r1, act, out, ldo); return;
     case T_Q4_K: fused_typed(T_Q4_K, m, w, r0, r1, act, out, ldo); return;
     case T_Q5_K: fused_typed(T_Q5_K, m, w, r0, r1, act, out, ldo); return;
     case T_Q6_K: fused_typed(T_Q6_K, m, w, r0, r1, act, out, ldo); return;
@@ -283,7 +284,7 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
         int16_t *sum16 = (int16_t *)(scale + m * (k / 32));
         int8_t *q = (int8_t *)(sum16 + m * (k / 16));
         const int64_t group = q8_group(w->type);
-        if (int8) quantize_rows_q8(x, m, ldx, k, group, q, scale, w->type == T_Q6_K ? sum16 : NULL);
+        if (int8) quantize_rows_q8(x, m, ldx, k, group, q, scale, w->type == T_Q3_K || w->type == T_Q6_K ? sum16 : NULL);
         /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
          * rows, which stay in cache between them: the weights are still streamed from memory once. */
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */

@@ -163,7 +163,7 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
         }
         for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
             __m256 f[4];
-            if (type != T_Q6_K) { /* Q4_K, Q5_K */
+            if (is_k_nibble_type(type)) { /* Q4_K, Q5_K */
                 __m256 d_sc, dmin_m;
                 q4k_scales(sb, &d_sc, &dmin_m);
                 _mm256_storeu_ps(scale, d_sc);
@@ -187,14 +187,15 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                 }
                 continue;
             }
-            /* the sixteen sub-block scales times d, as ggml rounds them (d * sc) */
-            const __m128i packed_scales = _mm_loadu_si128((const __m128i *)(sb + 192));
-            const __m256 d = _mm256_set1_ps(half_avx2(sb + 208));
+            /* Q3_K, Q6_K: the sixteen sub-block scales times d, as ggml rounds them (d * sc) */
+            const __m128i packed_scales = type == T_Q3_K ? q3k_scales_avx2(sb) : _mm_loadu_si128((const __m128i *)(sb + 192));
+            const __m256 d = _mm256_set1_ps(half_avx2(sb + (type == T_Q3_K ? 108 : 208)));
             _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed_scales))));
             _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed_scales, 8)))));
             for (int half = 0; half < 2; half++) {
                 __m256 levels[4][4];
-                q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
+                if (type == T_Q3_K) q3k_levels(sb, half, levels);
+                else q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
                 for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16 */
                     const __m256 *f6 = levels[t];
                     const __m256 da = _mm256_broadcast_ss(scale + 8 * half + 2 * t);

@@ -13,7 +13,7 @@
 static inline int64_t q8_group(int type) { return is_k_type(type) ? 256 : 32; }
 
 /* x [m, k] (row stride ldx) as int8 q [m, k] with scale [m, k / group]: per group, scale = max|x| / 127 and
- * q = round(x / scale). sum16 [m, k / 16] gets the sums of q over each 16 (Q6_K's offset). */
+ * q = round(x / scale). sum16 [m, k / 16] gets the sums of q over each 16 (the offsets of Q3_K and Q6_K). */
 AVX2 static void quantize_rows_q8(const float *x, int64_t m, int64_t ldx, int64_t k, int64_t group, int8_t *q,
                                   float *scale, int16_t *sum16) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -54,7 +54,8 @@ AVX2 static inline __attribute__((always_inline)) __m256i block_dot_q8(const int
 }
 
 /* K-quant rows [r0, r1) for m activation rows: a super-block's products, each times its integer sub-block scale
- * (vpmaddwd), add up in int32 and are scaled in float once; Q6_K's -32 comes off as -32 sum_j sc_j sum16_j. */
+ * (vpmaddwd), add up in int32 and are scaled in float once; the offset of Q6_K (32) and Q3_K (4) comes off as
+ * offset sum_j sc_j sum16_j. */
 AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type, const int m, const pagellm_matrix *w,
                                                                  int64_t r0, int64_t r1, const activations *act,
                                                                  float *out, int64_t ldo) {
@@ -68,7 +69,7 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
             __m256i sum[FUSED_MAX_M];
             for (int a = 0; a < m; a++) sum[a] = _mm256_setzero_si256();
             float d;
-            if (type != T_Q6_K) { /* Q4_K, Q5_K */
+            if (is_k_nibble_type(type)) { /* Q4_K, Q5_K */
                 uint64_t packed_sc, packed_m;
                 q4k_unpack(sb, &packed_sc, &packed_m);
                 const __m256 dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), u8x8_to_ps(packed_m));
@@ -97,13 +98,15 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                     }
                 }
                 d = half_avx2(sb);
-            } else {
-                const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(sb + 192)));
+            } else { /* Q3_K, Q6_K: sixteen sub-blocks of 16, int8 scales, an offset of 4 or 32 */
+                const __m256i sc16 = _mm256_cvtepi8_epi16(type == T_Q3_K ? q3k_scales_avx2(sb)
+                                                                         : _mm_loadu_si128((const __m128i *)(sb + 192)));
                 int16_t sc[16];
                 _mm256_storeu_si256((__m256i *)sc, sc16);
                 for (int half = 0; half < 2; half++) {
                     __m256i q[4];
-                    q6k_level_bytes(sb + 64 * half, sb + 128 + 32 * half, q);
+                    if (type == T_Q3_K) q3k_level_bytes(sb, half, q);
+                    else q6k_level_bytes(sb + 64 * half, sb + 128 + 32 * half, q);
                     for (int t = 0; t < 4; t++) { /* 32 weights: sub-blocks of 16 in the 128-bit halves */
                         const int j = 8 * half + 2 * t;
                         const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
@@ -116,9 +119,9 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                 }
                 for (int a = 0; a < m; a++) {
                     const __m256i sums = _mm256_loadu_si256((const __m256i *)(act->sum16 + a * (k / 16) + 16 * s));
-                    sum[a] = _mm256_sub_epi32(sum[a], _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5));
+                    sum[a] = _mm256_sub_epi32(sum[a], _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), type == T_Q3_K ? 2 : 5));
                 }
-                d = half_avx2(sb + 208);
+                d = half_avx2(sb + (type == T_Q3_K ? 108 : 208));
             }
             for (int a = 0; a < m; a++)
                 acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[a]), _mm256_set1_ps(d * act->scale[a * supers + s]), acc[a]);

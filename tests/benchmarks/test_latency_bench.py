@@ -206,17 +206,18 @@ def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
     assert (served.prompt_tokens, served.output_tokens) == (80, 15)
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("mix", ["Q3_K_M", "Q4_K_M", "Q5_K_M"])
 def test_random_gguf_has_the_mix_and_runs_packed(tmp_path, mix):
-    """`bench random-gguf`: a Q4_K_M- or Q5_K_M-like file of TinyLlama's layer shapes that pagellm loads packed and
-    decodes with finite logprobs (the weights are random: only the arithmetic is real)."""
+    """`bench random-gguf`: a file of TinyLlama's layer shapes in one of llama.cpp's _M mixes that pagellm loads
+    packed and decodes with finite logprobs (the weights are random: only the arithmetic is real)."""
     from pagellm import LLM, SamplingParams
 
     path = tmp_path / "random.gguf"
     assert f"1 layers, {mix}" in cli("random-gguf", str(path), "--layers", "1", "--mix", mix)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType[mix.removesuffix("_M")]
-    assert types["blk.0.ffn_down.weight"] == types["blk.0.attn_v.weight"] == gguf.GGMLQuantizationType.Q6_K
+    larger = gguf.GGMLQuantizationType.Q4_K if mix == "Q3_K_M" else gguf.GGMLQuantizationType.Q6_K
+    assert types["blk.0.ffn_down.weight"] == types["blk.0.attn_v.weight"] == larger
     llm = LLM(model=str(path), max_model_len=64, kv_cache_memory_bytes=16 << 20)
     assert llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0] < path.stat().st_size * 1.01
     out = llm.generate([{"prompt_token_ids": [5, 60, 200, 7]}],

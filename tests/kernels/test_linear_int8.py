@@ -14,7 +14,7 @@ from test_linear_cpu import encode
 from pagellm.kernels import linear as kernels
 
 BLOCK_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
-K_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
+K_TYPES = [QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 # Where a block's quants start, for the types whose offset or minimum the kernel keeps exact (the bytes before
 # are d, m, and the K-quant scales); with the quants zeroed, gguf's dequantizer gives that term alone.
 QUANTS_START = {QT.Q4_0: 2, QT.Q4_1: 4, QT.Q5_0: 2, QT.Q5_1: 4, QT.Q4_K: 16, QT.Q5_K: 16}

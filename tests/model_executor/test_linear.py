@@ -38,10 +38,10 @@ def test_quantization_none_dequantizes_and_unsupported_types_fall_back():
     assert not layer.packed_types
     torch.testing.assert_close(layer.weight.data, packed(48, 96, QT.Q8_0).dequantize(), rtol=0, atol=0)
 
-    q3_k = PackedTensor(QT.Q3_K, torch.zeros(4, 110, dtype=torch.uint8), (4, 256))
+    q2_k = PackedTensor(QT.Q2_K, torch.zeros(4, 84, dtype=torch.uint8), (4, 256))
     layer = Linear(256, 4)
-    layer.load_weight(q3_k, "gguf")  # no kernel for Q3_K: float32, exactly dequantized
-    assert not layer.packed_types and torch.equal(layer.weight.data, q3_k.dequantize())
+    layer.load_weight(q2_k, "gguf")  # no kernel for Q2_K: float32, exactly dequantized
+    assert not layer.packed_types and torch.equal(layer.weight.data, q2_k.dequantize())
 
 
 def test_k_quants_stay_packed():
