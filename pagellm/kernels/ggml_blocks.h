@@ -27,8 +27,8 @@
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q3_K = 11, T_Q4_K = 12,
-       T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
 
 static inline int is_block_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
@@ -37,7 +37,7 @@ static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
 static inline int quant_bytes(int t) { return t == T_Q8_0 ? 32 : 16; }
 static inline int64_t block_bytes(int t) { return 2 + 2 * has_min(t) + 4 * five_bit(t) + quant_bytes(t); }
 static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; } /* float types */
-static inline int is_k_type(int t) { return t == T_Q3_K || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static inline int is_k_type(int t) { return t >= T_Q2_K && t <= T_Q6_K; }
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }

@@ -7,12 +7,17 @@
  * - Q6_K: 128 bytes of low nibbles, 64 of bit pairs, 16 int8 scales for sub-blocks of 16, d; (d sc) (q - 32).
  * - Q3_K: 32 bytes of high bits (hmask), 64 of bit pairs, 12 bytes of 6-bit scales for sub-blocks of 16, d;
  *   weight = (d (sc - 32)) (q - 4 (high bit clear)).
+ * - Q2_K: 16 bytes of 4-bit scales and minimums for sub-blocks of 16, 64 of bit pairs, d, dmin;
+ *   weight = (d sc) q - (dmin m).
+ * Q2_K, Q3_K and Q6_K share a shape: 128-weight halves whose quarters j take bits of the same 32 (or 64) bytes.
  */
 #ifndef PAGELLM_GGML_K_QUANTS_H
 #define PAGELLM_GGML_K_QUANTS_H
 #include "ggml_blocks.h"
 
-static inline int64_t super_block_bytes(int t) { return t == T_Q3_K ? 110 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210; }
+static inline int64_t super_block_bytes(int t) {
+    return t == T_Q2_K ? 84 : t == T_Q3_K ? 110 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210;
+}
 static inline int is_k_nibble_type(int t) { return t == T_Q4_K || t == T_Q5_K; } /* scales and minimums */
 static inline int k_nibbles_at(int t) { return t == T_Q5_K ? 48 : 16; } /* where Q4_K / Q5_K keep their nibbles */
 
@@ -43,6 +48,17 @@ static inline void q3k_scales(const uint8_t *sb, int8_t scales[16]) {
 /* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K and Q5_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32),
  * Q3_K (d sc) q with q = (two bits) - 4 unless the high bit is set. */
 static void dequant_super_block_scalar(int type, const uint8_t *sb, float *dst) {
+    if (type == T_Q2_K) { /* as Q3_K: halves n, quarters j of bit pairs, two sub-blocks of 16 each */
+        const float d = fp16_to_fp32(load_u16(sb + 80)), dmin = fp16_to_fp32(load_u16(sb + 82));
+        for (int n = 0; n < 2; n++)
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++, dst += 16) {
+                    const uint8_t packed = sb[8 * n + 2 * j + h], *q = sb + 16 + 32 * n + 16 * h;
+                    const float dl = d * (float)(packed & 0x0f), ml = dmin * (float)(packed >> 4);
+                    for (int l = 0; l < 16; l++) dst[l] = dl * (float)((q[l] >> (2 * j)) & 3) - ml;
+                }
+        return;
+    }
     if (type == T_Q3_K) { /* 128-weight halves n; in each, quarter j takes bits 2j, 2j + 1 of 32 bytes */
         int8_t scales[16];
         q3k_scales(sb, scales);
@@ -197,8 +213,57 @@ AVX2 static inline __attribute__((always_inline)) void q3k_level_bytes(const uin
     for (int j = 0; j < 4; j++) q[j] = _mm256_or_si256(_mm256_and_si256(two[j], pair), _mm256_and_si256(set[j], four));
 }
 
+/* Q2_K: the 128 levels of half n (0..3, bits 2j, 2j + 1 of its 32 bytes) as f[quarter][vector]. */
+AVX2 static inline __attribute__((always_inline)) void q2k_levels(const uint8_t *sb, int n, __m256 f[4][4]) {
+    const __m256i pair = _mm256_set1_epi32(3);
+    for (int p = 0; p < 4; p++) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 16 + 32 * n + 8 * p)));
+        f[0][p] = _mm256_cvtepi32_ps(_mm256_and_si256(q, pair));
+        f[1][p] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, 2), pair));
+        f[2][p] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, 4), pair));
+        f[3][p] = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 6));
+    }
+}
+
+/* Q2_K: the 128 levels of half n as bytes, q[j] holding quarter j (16-bit shifts, masked per byte). */
+AVX2 static inline __attribute__((always_inline)) void q2k_level_bytes(const uint8_t *sb, int n, __m256i q[4]) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * n)), pair = _mm256_set1_epi8(3);
+    q[0] = _mm256_and_si256(bits, pair);
+    q[1] = _mm256_and_si256(_mm256_srli_epi16(bits, 2), pair);
+    q[2] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), pair);
+    q[3] = _mm256_and_si256(_mm256_srli_epi16(bits, 6), pair);
+}
+
+/* Q2_K: the sixteen sub-block scales times d and minimums times dmin, as ggml rounds them, as two vectors each. */
+AVX2 static inline __attribute__((always_inline)) void q2k_scales(const uint8_t *sb, __m256 d_sc[2], __m256 dmin_m[2]) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)sb), low = _mm_set1_epi8(0x0f);
+    const __m128i sc = _mm_and_si128(packed, low), m = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+    const __m256 d = _mm256_set1_ps(half_avx2(sb + 80)), dmin = _mm256_set1_ps(half_avx2(sb + 82));
+    d_sc[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+    d_sc[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc, 8))));
+    dmin_m[0] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+    dmin_m[1] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(m, 8))));
+}
+
 /* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */
 AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, float *dst) {
+    if (type == T_Q2_K) {
+        __m256 d_sc[2], dmin_m[2];
+        q2k_scales(sb, d_sc, dmin_m);
+        float dl[16], ml[16];
+        for (int i = 0; i < 2; i++) _mm256_storeu_ps(dl + 8 * i, d_sc[i]), _mm256_storeu_ps(ml + 8 * i, dmin_m[i]);
+        for (int n = 0; n < 2; n++) {
+            __m256 levels[4][4];
+            q2k_levels(sb, n, levels);
+            for (int j = 0; j < 4; j++, dst += 32)
+                for (int p = 0; p < 4; p++) {
+                    const int is = 8 * n + 2 * j + p / 2;
+                    _mm256_storeu_ps(dst + 8 * p, _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(dl[is]), levels[j][p]),
+                                                                _mm256_set1_ps(ml[is])));
+                }
+        }
+        return;
+    }
     if (type == T_Q3_K) {
         int8_t scales[16];
         _mm_storeu_si128((__m128i *)scales, q3k_scales_avx2(sb));

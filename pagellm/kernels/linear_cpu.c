@@ -1,5 +1,5 @@
-/* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K,
- * Q4_K, Q5_K, Q6_K.
+/* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+ * Q3_K, Q4_K, Q5_K, Q6_K.
  *
  * Arithmetic: by default activations stay float32 (never quantized, unlike llama.cpp) and every product is
  * accumulated in float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float
@@ -45,10 +45,11 @@ typedef struct pagellm_matrix {
 typedef struct {
     const float *x;       /* [m, k], row stride ldx */
     int64_t ldx;
-    const float *sum;     /* [m, k / 32]: each row's exact sum over every block of 32 */
-    const int8_t *q;      /* int8 activations [m, k] (linear_int8.h), or NULL */
-    const float *scale;   /* [m, k / q8_group(type)]: their scales */
-    const int16_t *sum16; /* [m, k / 16]: sums of q over each 16 */
+    const float *sum;      /* [m, k / 32]: each row's exact sum over every block of 32 */
+    const float *sum16;    /* [m, k / 16]: the same over every 16 (Q2_K's minimums), or NULL */
+    const int8_t *q;       /* int8 activations [m, k] (linear_int8.h), or NULL */
+    const float *scale;    /* [m, k / q8_group(type)]: their scales */
+    const int16_t *qsum16; /* [m, k / 16]: sums of q over each 16 */
 } activations;
 
 static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, float *dst) {
@@ -201,6 +202,7 @@ AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int6
     case T_Q5_0: fused_typed(T_Q5_0, m, w, r0, r1, act, out, ldo); return;
     case T_Q5_1: fused_typed(T_Q5_1, m, w, r0, r1, act, out, ldo); return;
     case T_Q8_0: fused_typed(T_Q8_0, m, w, r0, r1, act, out, ldo); return;
+    case T_Q2_K: fused_typed(T_Q2_K, m, w, r0, r1, act, out, ldo); return;
     case T_Q3_K: fused_typed(T_Q3_K, m, w, r0, r1, act, out, ldo); return;
     case T_Q4_K: fused_typed(T_Q4_K, m, w, r0, r1, act, out, ldo); return;
     case T_Q5_K: fused_typed(T_Q5_K, m, w, r0, r1, act, out, ldo); return;
@@ -271,28 +273,30 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     const int int8 = w->int8_activations && !is_float_type(w->type);
     if (w->use_avx2 && m <= (int8 ? INT8_MAX_ROWS : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS) &&
         k % 32 == 0) {
-        /* one allocation: exact block sums, then (int8) scales, sums of 16 and the int8 rows */
-        float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 2 * sizeof(float) + 4 + 32 : sizeof(float)));
+        /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows */
+        float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32 : 3 * sizeof(float)));
         if (xsum == NULL) return -2;
+        float *xsum16 = xsum + m * (k / 32);
         for (int64_t i = 0; i < m; i++)
-            for (int64_t b = 0; b < k / 32; b++) {
+            for (int64_t c = 0; c < k / 16; c++) {
                 float s = 0.0f;
-                for (int j = 0; j < 32; j++) s += x[i * ldx + b * 32 + j];
-                xsum[i * (k / 32) + b] = s;
+                for (int j = 0; j < 16; j++) s += x[i * ldx + c * 16 + j];
+                xsum16[i * (k / 16) + c] = s;
+                if (c & 1) xsum[i * (k / 32) + c / 2] = xsum16[i * (k / 16) + c - 1] + s;
             }
-        float *scale = xsum + m * (k / 32);
-        int16_t *sum16 = (int16_t *)(scale + m * (k / 32));
-        int8_t *q = (int8_t *)(sum16 + m * (k / 16));
+        float *scale = xsum16 + m * (k / 16);
+        int16_t *qsum16 = (int16_t *)(scale + m * (k / 32));
+        int8_t *q = (int8_t *)(qsum16 + m * (k / 16));
         const int64_t group = q8_group(w->type);
-        if (int8) quantize_rows_q8(x, m, ldx, k, group, q, scale, w->type == T_Q3_K || w->type == T_Q6_K ? sum16 : NULL);
+        if (int8) quantize_rows_q8(x, m, ldx, k, group, q, scale, w->type == T_Q3_K || w->type == T_Q6_K ? qsum16 : NULL);
         /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
          * rows, which stay in cache between them: the weights are still streamed from memory once. */
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t r0 = 0; r0 < n; r0 += chunk)
             for (int64_t a0 = 0; a0 < m; a0 += FUSED_MAX_M) {
-                const activations act = {x + a0 * ldx, ldx, xsum + a0 * (k / 32), int8 ? q + a0 * k : NULL,
-                                         scale + a0 * (k / group), sum16 + a0 * (k / 16)};
+                const activations act = {x + a0 * ldx, ldx, xsum + a0 * (k / 32), xsum16 + a0 * (k / 16),
+                                         int8 ? q + a0 * k : NULL, scale + a0 * (k / group), qsum16 + a0 * (k / 16)};
                 fused_avx2(w, m - a0 < FUSED_MAX_M ? m - a0 : FUSED_MAX_M, r0, r0 + chunk < n ? r0 + chunk : n, &act,
                            out + a0 * ldo, ldo);
             }

@@ -187,14 +187,27 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                 }
                 continue;
             }
-            /* Q3_K, Q6_K: the sixteen sub-block scales times d, as ggml rounds them (d * sc) */
-            const __m128i packed_scales = type == T_Q3_K ? q3k_scales_avx2(sb) : _mm_loadu_si128((const __m128i *)(sb + 192));
-            const __m256 d = _mm256_set1_ps(half_avx2(sb + (type == T_Q3_K ? 108 : 208)));
-            _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed_scales))));
-            _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed_scales, 8)))));
+            /* Q2_K, Q3_K, Q6_K: the sixteen sub-block scales times d, as ggml rounds them (d * sc) */
+            if (type == T_Q2_K) {
+                __m256 d_sc[2], dmin_m[2];
+                q2k_scales(sb, d_sc, dmin_m);
+                _mm256_storeu_ps(scale, d_sc[0]);
+                _mm256_storeu_ps(scale + 8, d_sc[1]);
+                for (int a = 0; a < m; a++) { /* the minimums' term, one lane per sub-block of 16 */
+                    const float *sums = act->sum16 + a * (w->k / 16) + 16 * s;
+                    min_acc[a] = _mm256_fmadd_ps(dmin_m[1], _mm256_loadu_ps(sums + 8),
+                                                 _mm256_fmadd_ps(dmin_m[0], _mm256_loadu_ps(sums), min_acc[a]));
+                }
+            } else {
+                const __m128i packed = type == T_Q3_K ? q3k_scales_avx2(sb) : _mm_loadu_si128((const __m128i *)(sb + 192));
+                const __m256 d = _mm256_set1_ps(half_avx2(sb + (type == T_Q3_K ? 108 : 208)));
+                _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed))));
+                _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8)))));
+            }
             for (int half = 0; half < 2; half++) {
                 __m256 levels[4][4];
-                if (type == T_Q3_K) q3k_levels(sb, half, levels);
+                if (type == T_Q2_K) q2k_levels(sb, half, levels);
+                else if (type == T_Q3_K) q3k_levels(sb, half, levels);
                 else q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
                 for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16 */
                     const __m256 *f6 = levels[t];

@@ -98,14 +98,31 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                     }
                 }
                 d = half_avx2(sb);
-            } else { /* Q3_K, Q6_K: sixteen sub-blocks of 16, int8 scales, an offset of 4 or 32 */
-                const __m256i sc16 = _mm256_cvtepi8_epi16(type == T_Q3_K ? q3k_scales_avx2(sb)
-                                                                         : _mm_loadu_si128((const __m128i *)(sb + 192)));
+            } else { /* Q2_K, Q3_K, Q6_K: sixteen sub-blocks of 16; Q3_K and Q6_K with an offset of 4 or 32, Q2_K
+                      * with minimums (exact sums, as Q4_K) */
+                __m128i packed_scales;
+                if (type == T_Q2_K) {
+                    const __m128i packed = _mm_loadu_si128((const __m128i *)sb);
+                    packed_scales = _mm_and_si128(packed, _mm_set1_epi8(0x0f));
+                    const __m256 dmin = _mm256_set1_ps(half_avx2(sb + 82));
+                    const __m128i mins = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
+                    const __m256 dmin_m[2] = {_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))),
+                                              _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8))))};
+                    for (int a = 0; a < m; a++) {
+                        const float *sums = act->sum16 + a * (k / 16) + 16 * s;
+                        min_acc[a] = _mm256_fmadd_ps(dmin_m[1], _mm256_loadu_ps(sums + 8),
+                                                     _mm256_fmadd_ps(dmin_m[0], _mm256_loadu_ps(sums), min_acc[a]));
+                    }
+                } else {
+                    packed_scales = type == T_Q3_K ? q3k_scales_avx2(sb) : _mm_loadu_si128((const __m128i *)(sb + 192));
+                }
+                const __m256i sc16 = _mm256_cvtepi8_epi16(packed_scales);
                 int16_t sc[16];
                 _mm256_storeu_si256((__m256i *)sc, sc16);
                 for (int half = 0; half < 2; half++) {
                     __m256i q[4];
-                    if (type == T_Q3_K) q3k_level_bytes(sb, half, q);
+                    if (type == T_Q2_K) q2k_level_bytes(sb, half, q);
+                    else if (type == T_Q3_K) q3k_level_bytes(sb, half, q);
                     else q6k_level_bytes(sb + 64 * half, sb + 128 + 32 * half, q);
                     for (int t = 0; t < 4; t++) { /* 32 weights: sub-blocks of 16 in the 128-bit halves */
                         const int j = 8 * half + 2 * t;
@@ -117,11 +134,11 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                         }
                     }
                 }
-                for (int a = 0; a < m; a++) {
-                    const __m256i sums = _mm256_loadu_si256((const __m256i *)(act->sum16 + a * (k / 16) + 16 * s));
+                for (int a = 0; a < m && type != T_Q2_K; a++) {
+                    const __m256i sums = _mm256_loadu_si256((const __m256i *)(act->qsum16 + a * (k / 16) + 16 * s));
                     sum[a] = _mm256_sub_epi32(sum[a], _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), type == T_Q3_K ? 2 : 5));
                 }
-                d = half_avx2(sb + (type == T_Q3_K ? 108 : 208));
+                d = half_avx2(sb + (type == T_Q2_K ? 80 : type == T_Q3_K ? 108 : 208));
             }
             for (int a = 0; a < m; a++)
                 acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[a]), _mm256_set1_ps(d * act->scale[a * supers + s]), acc[a]);

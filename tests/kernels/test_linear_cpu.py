@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from pagellm.kernels import linear as kernels
 
 TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
-K_TYPES = [QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]  # 256 weights per super-block
+K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]  # 256 weights per super-block
 
 
 @pytest.fixture(params=["avx2", "scalar"])
@@ -46,7 +46,7 @@ def random_k_quant(shape: tuple[int, int], qtype: QT, rng: np.random.Generator) 
     package dequantizes K-quants but cannot quantize them."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(shape[0] * shape[1] // block_elems, block_bytes), dtype=np.uint8)
-    scale_offsets = {QT.Q3_K: [108], QT.Q6_K: [208]}.get(qtype, [0, 2])  # d (and dmin for Q4_K, Q5_K)
+    scale_offsets = {QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q6_K: [208]}.get(qtype, [0, 2])  # d (and dmin)
     for offset in scale_offsets:
         blocks[:, offset:offset + 2] = rng.uniform(-0.02, 0.02, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(shape[0], -1)

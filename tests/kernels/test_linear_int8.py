@@ -14,10 +14,11 @@ from test_linear_cpu import encode
 from pagellm.kernels import linear as kernels
 
 BLOCK_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
-K_TYPES = [QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-# Where a block's quants start, for the types whose offset or minimum the kernel keeps exact (the bytes before
-# are d, m, and the K-quant scales); with the quants zeroed, gguf's dequantizer gives that term alone.
-QUANTS_START = {QT.Q4_0: 2, QT.Q4_1: 4, QT.Q5_0: 2, QT.Q5_1: 4, QT.Q4_K: 16, QT.Q5_K: 16}
+K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+# Where a block's quants are, for the types whose offset or minimum the kernel keeps exact (the other bytes are d,
+# m and the K-quant scales); with the quants zeroed, gguf's dequantizer gives that term alone.
+QUANTS = {QT.Q4_0: slice(2, None), QT.Q4_1: slice(4, None), QT.Q5_0: slice(2, None), QT.Q5_1: slice(4, None),
+          QT.Q4_K: slice(16, None), QT.Q5_K: slice(16, None), QT.Q2_K: slice(16, 80)}
 
 
 @pytest.fixture(autouse=True)
@@ -43,10 +44,10 @@ def int8_reference(x: np.ndarray, packed: np.ndarray, qtype: QT, columns: int) -
     dequantize = lambda blocks: gguf.quants.dequantize(blocks, qtype).reshape(packed.shape[0], columns).astype(np.float64)  # noqa: E731
     weight = dequantize(packed)
     exact_part = np.zeros_like(weight)  # the offset or minimum term, multiplied with the exact activations
-    if qtype in QUANTS_START:
+    if qtype in QUANTS:
         block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
         blocks = packed.reshape(-1, block_bytes).copy()
-        blocks[:, QUANTS_START[qtype]:] = 0
+        blocks[:, QUANTS[qtype]] = 0
         exact_part = dequantize(blocks.reshape(packed.shape))
     rounded = int8_activations(x, 256 if qtype in K_TYPES else 32)
     return rounded @ (weight - exact_part).T + x.astype(np.float64) @ exact_part.T

@@ -1,4 +1,4 @@
-"""GGUF files with K-quant weights (Q3_K, Q4_K, Q5_K, Q6_K) run on their packed super-blocks through the whole engine; every
+"""GGUF files with K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) run on their packed super-blocks through the whole engine; every
 logprob over prefill and decode is within 1e-3 of transformers' own loading of the same file (which dequantizes
 with the gguf package: an independent decoder)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from test_gguf_loader import write_tiny_gguf
 from pagellm import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("qtype", [QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
 def test_k_quant_file_runs_packed_and_matches_transformers(tmp_path, qtype):
     from transformers import AutoModelForCausalLM
 
@@ -22,7 +22,7 @@ def test_k_quant_file_runs_packed_and_matches_transformers(tmp_path, qtype):
     llm = LLM(model=str(path), max_model_len=128, kv_cache_memory_bytes=4 << 20)
     weight_bytes = llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0]
     float_bytes = 4 * sum(w.size for w in hf_weights.values() if w.ndim == 2)
-    assert weight_bytes < float_bytes / 4  # packed: 3.4 (Q3_K) to 6.6 (Q6_K) bits per weight
+    assert weight_bytes < float_bytes / 4  # packed: 2.6 (Q2_K) to 6.6 (Q6_K) bits per weight
 
     prompts = [{"prompt_token_ids": [5, 17, 100, 42, 7]}, {"prompt_token_ids": list(range(3, 40))}]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)

@@ -38,10 +38,10 @@ def test_quantization_none_dequantizes_and_unsupported_types_fall_back():
     assert not layer.packed_types
     torch.testing.assert_close(layer.weight.data, packed(48, 96, QT.Q8_0).dequantize(), rtol=0, atol=0)
 
-    q2_k = PackedTensor(QT.Q2_K, torch.zeros(4, 84, dtype=torch.uint8), (4, 256))
+    iq4_nl = PackedTensor(QT.IQ4_NL, torch.zeros(4, 18 * 8, dtype=torch.uint8), (4, 256))
     layer = Linear(256, 4)
-    layer.load_weight(q2_k, "gguf")  # no kernel for Q2_K: float32, exactly dequantized
-    assert not layer.packed_types and torch.equal(layer.weight.data, q2_k.dequantize())
+    layer.load_weight(iq4_nl, "gguf")  # no kernel for IQ types: float32, exactly dequantized
+    assert not layer.packed_types and torch.equal(layer.weight.data, iq4_nl.dequantize())
 
 
 def test_k_quants_stay_packed():
