@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> None:
     deltas = [abs(a - b) for a, b in zip(base, other)]
     other_tokens = [tokens for tokens, _ in other_greedy]
     same = sum(a == b for x, y in zip(base_greedy, other_tokens) for a, b in zip(x, y))
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(base_greedy, other_tokens)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+             for x, y in zip(base_greedy, other_tokens)]
     print(f"perplexity over {len(base)} tokens of {args.text}: float32 {math.exp(-sum(base) / len(base)):.3f}, "
           f"{label} {math.exp(-sum(other) / len(other)):.3f}")
     print(f"per-token logprob difference: mean {sum(deltas) / len(deltas):.4f}, max {max(deltas):.4f}")

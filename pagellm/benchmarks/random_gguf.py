@@ -19,8 +19,8 @@ T = GGMLQuantizationType
 SHAPES = {"tinyllama-1.1b": (2048, 5632, 32, 4), "llama-3.2-1b": (2048, 8192, 32, 8),
           "llama-3-8b": (4096, 14336, 32, 8)}
 # Byte offsets of the float16 scales (d, dmin) in each block type this writer uses.
-SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,),
-                 T.Q4_1: (0, 2), T.Q5_0: (0,)}
+SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,),
+                 T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,)}
 K_MIXES = {"Q3_K_M": T.Q3_K, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K}  # llama.cpp's _M mixes: their main type
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -44,7 +44,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output", type=Path, help="the .gguf file to write")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
     parser.add_argument("--layers", type=int, default=6, help="decoder layers (the real models have 16-32)")
-    parser.add_argument("--mix", choices=[*K_MIXES, "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"],
+    parser.add_argument("--mix", choices=[*K_MIXES, *(t.name for t in SCALE_OFFSETS)],
                         default="Q4_K_M")
     parser.add_argument("--seed", type=int, default=0)
 

@@ -193,21 +193,14 @@ AVX2 static inline __attribute__((always_inline)) void fused_typed(const int typ
 /* Rows [r0, r1) of out for m <= FUSED_MAX_M activation rows; k a multiple of 32. */
 AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int64_t r1, const activations *act,
                             float *out, int64_t ldo) {
+    /* each storage type a constant the kernels are specialised for */
+#define FUSED_TYPE(t) case t: fused_typed(t, m, w, r0, r1, act, out, ldo); return;
     switch (w->type) {
-    case T_F32: fused_typed(T_F32, m, w, r0, r1, act, out, ldo); return;
-    case T_F16: fused_typed(T_F16, m, w, r0, r1, act, out, ldo); return;
-    case T_BF16: fused_typed(T_BF16, m, w, r0, r1, act, out, ldo); return;
-    case T_Q4_0: fused_typed(T_Q4_0, m, w, r0, r1, act, out, ldo); return;
-    case T_Q4_1: fused_typed(T_Q4_1, m, w, r0, r1, act, out, ldo); return;
-    case T_Q5_0: fused_typed(T_Q5_0, m, w, r0, r1, act, out, ldo); return;
-    case T_Q5_1: fused_typed(T_Q5_1, m, w, r0, r1, act, out, ldo); return;
-    case T_Q8_0: fused_typed(T_Q8_0, m, w, r0, r1, act, out, ldo); return;
-    case T_Q2_K: fused_typed(T_Q2_K, m, w, r0, r1, act, out, ldo); return;
-    case T_Q3_K: fused_typed(T_Q3_K, m, w, r0, r1, act, out, ldo); return;
-    case T_Q4_K: fused_typed(T_Q4_K, m, w, r0, r1, act, out, ldo); return;
-    case T_Q5_K: fused_typed(T_Q5_K, m, w, r0, r1, act, out, ldo); return;
-    case T_Q6_K: fused_typed(T_Q6_K, m, w, r0, r1, act, out, ldo); return;
+    FUSED_TYPE(T_F32) FUSED_TYPE(T_F16) FUSED_TYPE(T_BF16)
+    FUSED_TYPE(T_Q4_0) FUSED_TYPE(T_Q4_1) FUSED_TYPE(T_Q5_0) FUSED_TYPE(T_Q5_1) FUSED_TYPE(T_Q8_0)
+    FUSED_TYPE(T_Q2_K) FUSED_TYPE(T_Q3_K) FUSED_TYPE(T_Q4_K) FUSED_TYPE(T_Q5_K) FUSED_TYPE(T_Q6_K)
     }
+#undef FUSED_TYPE
 }
 
 int pagellm_cpu_has_avx2(void) {

@@ -41,7 +41,9 @@ def int8_activations(x: np.ndarray, group: int) -> np.ndarray:
 
 
 def int8_reference(x: np.ndarray, packed: np.ndarray, qtype: QT, columns: int) -> np.ndarray:
-    dequantize = lambda blocks: gguf.quants.dequantize(blocks, qtype).reshape(packed.shape[0], columns).astype(np.float64)  # noqa: E731
+    def dequantize(blocks: np.ndarray) -> np.ndarray:
+        return gguf.quants.dequantize(blocks, qtype).reshape(packed.shape[0], columns).astype(np.float64)
+
     weight = dequantize(packed)
     exact_part = np.zeros_like(weight)  # the offset or minimum term, multiplied with the exact activations
     if qtype in QUANTS:

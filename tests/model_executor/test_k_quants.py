@@ -1,6 +1,6 @@
-"""GGUF files with K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) run on their packed super-blocks through the whole engine; every
-logprob over prefill and decode is within 1e-3 of transformers' own loading of the same file (which dequantizes
-with the gguf package: an independent decoder)."""
+"""GGUF files with K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) run on their packed super-blocks through the
+whole engine; every logprob over prefill and decode is within 1e-3 of transformers' own loading of the same file
+(which dequantizes with the gguf package: an independent decoder)."""
 from __future__ import annotations
 
 import pytest
