@@ -81,7 +81,7 @@ class PackedMatmul:
 
     __slots__ = ("weight", "parts", "in_features", "out_features", "_matrix", "_part_matrices", "pointer", "_run")
 
-    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int, int8_activations: bool = False) -> None:
+    def __init__(self, qweight: torch.Tensor, qtype: int, in_features: int) -> None:
         if qweight.shape[1] != row_bytes(qtype, in_features):
             raise ValueError(f"packed rows of {qweight.shape[1]} bytes do not hold {in_features} "
                              f"{GGMLQuantizationType(qtype).name} values")
@@ -95,8 +95,8 @@ class PackedMatmul:
         self.parts: tuple[PackedMatmul, ...] = ()
         self._part_matrices = None
         self.in_features, self.out_features = in_features, qweight.shape[0]
-        self._matrix = _Matrix(int(qtype), int(use_avx2()), int(int8_activations), qweight.data_ptr(),
-                               qweight.stride(0), qweight.shape[0], in_features, grouped_rows, 0, None)
+        self._matrix = _Matrix(int(qtype), int(use_avx2()), 0, qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
+                               in_features, grouped_rows, 0, None)
         self.pointer = ctypes.addressof(self._matrix)  # what the fused decoder (kernels.decoder) passes to C
         self._run = load().pagellm_matmul
 

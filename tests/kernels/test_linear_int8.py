@@ -55,6 +55,12 @@ def int8_reference(x: np.ndarray, packed: np.ndarray, qtype: QT, columns: int) -
     return rounded @ (weight - exact_part).T + x.astype(np.float64) @ exact_part.T
 
 
+def int8_matmul(packed: np.ndarray, qtype: QT, in_features: int) -> kernels.PackedMatmul:
+    matmul = kernels.PackedMatmul(torch.from_numpy(packed.copy()), qtype, in_features)
+    matmul.int8_activations = True
+    return matmul
+
+
 def packed_matrix(qtype: QT, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
     weight = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
     return encode(weight, qtype)
@@ -67,7 +73,7 @@ def test_int8_activations_match_numpy(qtype, rows):
     packed = packed_matrix(qtype, 40, in_features)
     x = np.random.default_rng(rows).standard_normal((rows, in_features)).astype(np.float32)
     x[0, :32] *= 50  # one loud block: per-block scales keep the others fine
-    matmul = kernels.PackedMatmul(torch.from_numpy(packed.copy()), qtype, in_features, int8_activations=True)
+    matmul = int8_matmul(packed, qtype, in_features)
     assert matmul.int8_activations
     got = matmul(torch.from_numpy(x)).numpy().astype(np.float64)
     want = int8_reference(x, packed, qtype, in_features)
@@ -84,7 +90,7 @@ def test_several_kernel_calls_per_matmul(rows):
     qtype, in_features = QT.Q6_K, 256
     packed = packed_matrix(qtype, 12, in_features)
     x = np.random.default_rng(rows).standard_normal((rows, in_features)).astype(np.float32)
-    matmul = kernels.PackedMatmul(torch.from_numpy(packed.copy()), qtype, in_features, int8_activations=True)
+    matmul = int8_matmul(packed, qtype, in_features)
     want = int8_reference(x, packed, qtype, in_features)
     np.testing.assert_allclose(matmul(torch.from_numpy(x)).numpy(), want, rtol=0, atol=2e-6 * np.abs(want).max())
 
@@ -95,7 +101,7 @@ def test_rows_outside_the_groups_and_large_batches_stay_exact():
     qtype, in_features = QT.Q4_1, 96
     packed = packed_matrix(qtype, 7, in_features)
     weight = gguf.quants.dequantize(packed, qtype).reshape(7, in_features).astype(np.float64)
-    matmul = kernels.PackedMatmul(torch.from_numpy(packed.copy()), qtype, in_features, int8_activations=True)
+    matmul = int8_matmul(packed, qtype, in_features)
     x = np.random.default_rng(1).standard_normal((33, in_features)).astype(np.float32)
     decode = matmul(torch.from_numpy(x[:1])).numpy().astype(np.float64)
     np.testing.assert_allclose(decode[:, 4:], x[:1].astype(np.float64) @ weight[4:].T, rtol=0, atol=1e-5)
@@ -124,5 +130,5 @@ def test_stack_parts_follow_the_switch():
 def test_silent_input_gives_zero():
     """An all-zero block has scale 0 (no division by zero); the result is exactly the bias-free zero."""
     packed = packed_matrix(QT.Q6_K, 4, 256)
-    matmul = kernels.PackedMatmul(torch.from_numpy(packed), QT.Q6_K, 256, int8_activations=True)
+    matmul = int8_matmul(packed, QT.Q6_K, 256)
     assert not matmul(torch.zeros(1, 256)).any()
