@@ -117,16 +117,17 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                     packed_scales = type == T_Q3_K ? q3k_scales_avx2(sb) : _mm_loadu_si128((const __m128i *)(sb + 192));
                 }
                 const __m256i sc16 = _mm256_cvtepi8_epi16(packed_scales);
-                int16_t sc[16];
-                _mm256_storeu_si256((__m256i *)sc, sc16);
                 for (int half = 0; half < 2; half++) {
                     __m256i q[4];
                     if (type == T_Q2_K) q2k_level_bytes(sb, half, q);
                     else if (type == T_Q3_K) q3k_level_bytes(sb, half, q);
                     else q6k_level_bytes(sb + 64 * half, sb + 128 + 32 * half, q);
+                    /* the half's eight scales in both 128-bit lanes, so one in-lane shuffle spreads two of them */
+                    const __m256i sc_half = _mm256_permute4x64_epi64(sc16, half ? 0xee : 0x44);
                     for (int t = 0; t < 4; t++) { /* 32 weights: sub-blocks of 16 in the 128-bit halves */
-                        const int j = 8 * half + 2 * t;
-                        const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+                        const __m256i pick = _mm256_set_m128i(_mm_set1_epi16((short)(((4 * t + 3) << 8) | (4 * t + 2))),
+                                                              _mm_set1_epi16((short)(((4 * t + 1) << 8) | (4 * t))));
+                        const __m256i scales = _mm256_shuffle_epi8(sc_half, pick);
                         for (int a = 0; a < m; a++) {
                             const int8_t *xq = act->q + a * k + 256 * s + 128 * half + 32 * t;
                             const __m256i p = _mm256_maddubs_epi16(q[t], _mm256_loadu_si256((const __m256i *)xq));
