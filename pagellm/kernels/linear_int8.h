@@ -55,7 +55,7 @@ AVX2 static inline __attribute__((always_inline)) __m256i block_dot_q8(const int
 
 /* K-quant rows [r0, r1) for m activation rows: a super-block's products, each times its integer sub-block scale
  * (vpmaddwd), add up in int32 and are scaled in float once; the offset of Q6_K (32) and Q3_K (4) comes off as
- * offset sum_j sc_j sum16_j. */
+ * offset sum_j sc_j qsum16_j, and the minimums of Q2_K, Q4_K and Q5_K take the exact activation sums. */
 AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type, const int m, const pagellm_matrix *w,
                                                                  int64_t r0, int64_t r1, const activations *act,
                                                                  float *out, int64_t ldo) {
