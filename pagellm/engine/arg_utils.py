@@ -166,7 +166,7 @@ class EngineArgs:
         parser.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.quantize_activations,
                             help="round activations to int8 per block before multiplying with packed weights, in "
-                                 "matmuls of up to 32 rows (decode; llama.cpp's arithmetic): faster, no longer exact")
+                                 "matmuls of up to 48 rows (decode; llama.cpp's arithmetic): faster, no longer exact")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.enable_prefix_caching,
                             help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "
