@@ -206,7 +206,7 @@ def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
     assert (served.prompt_tokens, served.output_tokens) == (80, 15)
 
 
-@pytest.mark.parametrize("mix", ["Q3_K_M", "Q4_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("mix", ["Q3_K_M", "Q4_K_M"])  # Q5_K_M takes the same path as Q4_K_M
 def test_random_gguf_has_the_mix_and_runs_packed(tmp_path, mix):
     """`bench random-gguf`: a file of TinyLlama's layer shapes in one of llama.cpp's _M mixes that pagellm loads
     packed and decodes with finite logprobs (the weights are random: only the arithmetic is real)."""
