@@ -102,12 +102,9 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                       * with minimums (exact sums, as Q4_K) */
                 __m128i packed_scales;
                 if (type == T_Q2_K) {
-                    const __m128i packed = _mm_loadu_si128((const __m128i *)sb);
-                    packed_scales = _mm_and_si128(packed, _mm_set1_epi8(0x0f));
-                    const __m256 dmin = _mm256_set1_ps(half_avx2(sb + 82));
-                    const __m128i mins = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
-                    const __m256 dmin_m[2] = {_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins))),
-                                              _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8))))};
+                    packed_scales = _mm_and_si128(_mm_loadu_si128((const __m128i *)sb), _mm_set1_epi8(0x0f));
+                    __m256 d_sc[2], dmin_m[2]; /* d_sc unused here: the scales stay integers */
+                    q2k_scales(sb, d_sc, dmin_m);
                     for (int a = 0; a < m; a++) {
                         const float *sums = act->sum16 + a * (k / 16) + 16 * s;
                         min_acc[a] = _mm256_fmadd_ps(dmin_m[1], _mm256_loadu_ps(sums + 8),
