@@ -15,6 +15,15 @@ def c_kernels_disabled() -> bool:
     return os.environ.get("PAGELLM_DISABLE_C_KERNELS") == "1"
 
 
+def attention_backend() -> str | None:
+    """PAGELLM_ATTENTION_BACKEND=triton|torch overrides the decode attention chosen for the device (the C kernel on
+    CPU, Triton on CUDA). `triton` on the CPU runs Triton's interpreter: a way to test the CUDA kernel anywhere."""
+    value = os.environ.get("PAGELLM_ATTENTION_BACKEND") or None
+    if value not in (None, "triton", "torch"):
+        raise ValueError(f"PAGELLM_ATTENTION_BACKEND must be 'triton' or 'torch' (or unset), got {value!r}.")
+    return value
+
+
 def api_key() -> str | None:
     """PAGELLM_API_KEY: the key `pagellm serve` requires (as `Authorization: Bearer ...`) when --api-key is not given."""
     return os.environ.get("PAGELLM_API_KEY") or None

@@ -133,15 +133,12 @@ class ModelRunner:
         slot_mapping = block_table[req_index, positions // bs] * bs + positions % bs
         input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64, count=num_tokens)
 
-        decode_tables = decode_seq_lens = decode_mask = None
+        decode_tables = decode_seq_lens = None
         if decodes:
             n = len(decodes)
             decode_blocks = max(len(r.block_ids) for r in decodes)
-            seq_lens = positions[:n] + 1
             decode_tables = self._to_device(np.ascontiguousarray(block_table[:n, :decode_blocks]))
-            mask = np.arange(decode_blocks * bs)[None, :] < seq_lens[:, None]
-            decode_mask = self._to_device(mask[None, :, None, :])
-            decode_seq_lens = self._to_device(seq_lens)
+            decode_seq_lens = self._to_device(positions[:n] + 1)
         chunks = [
             PrefillChunk(query_start=int(starts[i]), query_len=r.num_tokens, context_len=r.num_computed_tokens,
                          block_ids=self._to_device(np.array(r.block_ids, dtype=np.int64)))
@@ -150,8 +147,7 @@ class ModelRunner:
         # n > 1: the same last-token logits row is sampled once per sequence.
         sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample for _ in range(r.num_samples)]
         logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1
-        meta = AttentionMetadata(self._to_device(slot_mapping), len(decodes), decode_tables, decode_seq_lens,
-                                 decode_mask, chunks)
+        meta = AttentionMetadata(self._to_device(slot_mapping), len(decodes), decode_tables, decode_seq_lens, chunks)
         prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]

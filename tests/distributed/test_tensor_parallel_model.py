@@ -41,12 +41,11 @@ def _step_inputs(step: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.
         ids += SEQUENCES[seq][start:end]
         positions += range(start, end)
         slots += [_blocks(seq)[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
-    tables = seq_lens = mask = None
+    tables = seq_lens = None
     if decodes:
         tables = torch.tensor([_blocks(seq) for seq, _ in decodes])
         seq_lens = torch.tensor([position + 1 for _, position in decodes])
-        mask = (torch.arange(MAX_BLOCKS * BLOCK_SIZE)[None, :] < seq_lens[:, None])[None, :, None, :]
-    meta = AttentionMetadata(torch.tensor(slots), len(decodes), tables, seq_lens, mask, chunks)
+    meta = AttentionMetadata(torch.tensor(slots), len(decodes), tables, seq_lens, chunks)
     return torch.tensor(ids), torch.tensor(positions), meta
 
 

@@ -7,6 +7,11 @@ file) covers real text and the chat path, where the reference is transformers' o
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -75,6 +80,49 @@ def test_tiny_batch_greedy_matches_hf(tiny_case, max_num_batched_tokens, no_leak
         assert completion.finish_reason == "length"
         assert out.finished
     no_leaks(llm)
+
+
+BACKEND_SCRIPT = """
+import json, sys
+from pagellm import LLM, SamplingParams
+from pagellm.model_executor.layers.attention import decode_backend
+llm = LLM(model=sys.argv[1], max_model_len=256, kv_cache_memory_bytes=8 << 20, block_size=8)
+params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True, logprobs=1)
+out = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
+print(json.dumps({"backend": decode_backend("cpu", __import__("torch").float32),
+                  "tokens": [o.outputs[0].token_ids for o in out],
+                  "logprobs": [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                               for o in out]}))
+"""
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_forced_decode_attention_backend_matches_hf(backend, tiny_model_factory, make_token_prompts):
+    """PAGELLM_ATTENTION_BACKEND swaps the decode attention under the whole engine (the Triton kernel runs under
+    Triton's interpreter here, as it would on CUDA): greedy tokens and their logprobs equal transformers' over
+    sequences that cross several 8-token blocks. The switch is read once per process, so the run is a separate
+    one."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory("qwen3")  # GQA, head size 32
+    prompts = make_token_prompts([3, 17, 40], seed=11)
+    new_tokens = 12
+    env = dict(os.environ, PAGELLM_ATTENTION_BACKEND=backend, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)  # the engine switches the interpreter on itself, on the CPU
+    result = subprocess.run([sys.executable, "-c", BACKEND_SCRIPT, str(model_dir), json.dumps(prompts),
+                             str(new_tokens)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["backend"] == backend
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, tokens, logprobs in zip(prompts, report["tokens"], report["logprobs"]):
+        ids = prompt["prompt_token_ids"] + tokens
+        with torch.inference_mode():
+            reference = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        start = len(prompt["prompt_token_ids"]) - 1
+        assert tokens == reference[start:-1].argmax(-1).tolist()
+        expected = reference[start:-1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, rtol=0, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------- the default model

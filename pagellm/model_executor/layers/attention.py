@@ -1,17 +1,23 @@
 """PagedAttention over a flattened batch: K/V written into cache blocks by slot, read back by block table.
 
 The batch is laid out decodes first (one query token each), then prefill chunks. Decodes run as one batched
-attention over their gathered blocks, masked to each sequence's length; each prefill chunk attends causally to
-its own tokens and to the earlier chunks already in the cache. No padding of the token dimension anywhere.
+attention that reads each sequence's blocks through its block table: the C kernel on CPU, the Triton kernel on
+CUDA (`decode_backend`), or, where neither runs, PyTorch over gathered blocks masked to each length. Each prefill
+chunk attends causally to its own tokens and to the earlier chunks already in the cache. No padding of the token
+dimension anywhere.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm import envs
 from pagellm.kernels import paged_attention as cpu_kernels
 
 
@@ -33,8 +39,24 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the query token
-    decode_mask: torch.Tensor | None  # [1, num_decodes, 1, max_blocks * block_size]: True where attended
     prefills: list[PrefillChunk]
+
+
+@cache
+def decode_backend(device_type: str, dtype: torch.dtype) -> str:
+    """'c' (CPU float32 with the C kernel built), 'triton' (CUDA with Triton installed), else 'torch';
+    PAGELLM_ATTENTION_BACKEND overrides the choice."""
+    forced = envs.attention_backend()
+    if forced == "triton":
+        if device_type == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined, on import
+        return "triton"
+    if forced == "torch":
+        return "torch"
+    if device_type == "cpu":
+        return "c" if dtype == torch.float32 and cpu_kernels.load() is not None else "torch"
+    # CUDA builds of torch bring Triton along.
+    return "triton" if device_type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
 
 
 class Attention(nn.Module):
@@ -51,30 +73,35 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]. Returns [T, H * D]."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        use_c_kernels = q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels.load() is not None
-        if use_c_kernels and k.stride(-1) == 1 and v.stride(-1) == 1:
+        backend = decode_backend(q.device.type, q.dtype)
+        if backend == "c" and k.stride(-1) == 1 and v.stride(-1) == 1:
             cpu_kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         else:
             key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
             value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping,
                                                                                v.transpose(0, 1))
         if not meta.prefills:  # all decodes: the batched call's output is the whole output
-            return self._decode(q, key_cache, value_cache, meta, use_c_kernels).view(q.shape[0], -1)
+            return self._decode(q, key_cache, value_cache, meta, backend).view(q.shape[0], -1)
         out = torch.empty_like(q)
         if meta.num_decodes:
             n = meta.num_decodes
-            out[:n] = self._decode(q[:n], key_cache, value_cache, meta, use_c_kernels)
+            out[:n] = self._decode(q[:n], key_cache, value_cache, meta, backend)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                use_c_kernel: bool) -> torch.Tensor:
-        if use_c_kernel:
-            # Reads the cache in place: no gathered copy of every sequence's K/V per layer.
+                backend: str) -> torch.Tensor:
+        # The kernels read the cache in place: no gathered copy of every sequence's K/V per layer.
+        if backend == "c":
             return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
                                                       meta.decode_seq_lens, self.scale)
+        if backend == "triton":
+            from pagellm.kernels import triton_attention  # imported where it runs (it defines the Triton kernels)
+
+            return triton_attention.paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
+                                                           meta.decode_seq_lens, self.scale)
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # Heads outermost: the gather lands as [Hkv, B, L, D], contiguous, so the matmuls need no transposing copy.
@@ -82,7 +109,8 @@ class Attention(nn.Module):
         values = _gather_blocks(value_cache, meta.decode_block_tables)
         q = q.view(batch, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
         scores = torch.matmul(q, keys.transpose(2, 3)).float() * self.scale  # [Hkv, B, G, L]
-        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        padding = torch.arange(keys.shape[2], device=q.device) >= meta.decode_seq_lens[:, None]  # [B, L]
+        scores.masked_fill_(padding[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
 

@@ -1,12 +1,23 @@
-"""The C decode-attention kernel and the PyTorch paged-attention paths against a plain reference: softmax
-attention over each sequence's keys, written out per sequence with no paging at all."""
+"""Every decode-attention backend (the C kernel, the Triton kernel, the PyTorch path) and the prefill paths against
+a plain reference: softmax attention over each sequence's keys, written out per sequence with no paging at all.
+
+Without a GPU the Triton kernel runs under Triton's interpreter, which must be switched on before the kernel
+module is first imported (this module's import, at collection)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from pagellm.kernels import paged_attention as cpu_kernels
-from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, PrefillChunk
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagellm.kernels import paged_attention as cpu_kernels  # noqa: E402
+from pagellm.kernels import triton_attention  # noqa: E402
+from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, PrefillChunk  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def reference_attention(q, keys, values, scale, causal_offset=None):
@@ -37,13 +48,26 @@ def random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=0):
     return cache, tables, contiguous
 
 
-@pytest.fixture(params=["c-kernel", "torch"])
-def decode_backend(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    else:
+@pytest.fixture(params=["c", "triton", "torch"])
+def decode_backend(request):
+    if request.param == "c":
         assert cpu_kernels.load() is not None, "the C kernel must build on the test machine (gcc is required)"
     return request.param
+
+
+def decode_metadata(tables: list[list[int]], seq_lens: list[int], pad_block: int = 0) -> AttentionMetadata:
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [pad_block] * (max_blocks - len(t)) for t in tables])
+    return AttentionMetadata(torch.empty(0, dtype=torch.long), len(seq_lens), block_tables, torch.tensor(seq_lens), [])
+
+
+def run_decode(attn: Attention, q, cache, meta: AttentionMetadata, backend: str) -> torch.Tensor:
+    """attn's decode on `backend`, the Triton one on this machine's device (the GPU, or the CPU interpreter)."""
+    if backend == "triton":
+        q, cache = q.to(DEVICE), cache.to(DEVICE)
+        meta = AttentionMetadata(meta.slot_mapping, meta.num_decodes, meta.decode_block_tables.to(DEVICE),
+                                 meta.decode_seq_lens.to(DEVICE), [])
+    return attn._decode(q, cache[0], cache[1], meta, backend).cpu()
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 32, 16), (9, 3, 64, 4), (2, 2, 16, 1)])
@@ -51,13 +75,8 @@ def test_decode_matches_reference(decode_backend, heads, kv_heads, head_dim, blo
     seq_lens = [1, 5, 17, 64, 33, 2]
     cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size)
     q = torch.randn(len(seq_lens), heads, head_dim)
-    max_blocks = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-    lens = torch.tensor(seq_lens)
-    mask = (torch.arange(max_blocks * block_size)[None, :] < lens[:, None])[None, :, None, :]
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(seq_lens), block_tables, lens, mask, [])
     attn = Attention(heads, kv_heads, head_dim)
-    out = attn._decode(q, cache[0], cache[1], meta, cpu_kernels.load() is not None)
+    out = run_decode(attn, q, cache, decode_metadata(tables, seq_lens), decode_backend)
     for i, (k, v) in enumerate(contiguous):
         expected = reference_attention(q[i:i + 1], k, v, attn.scale)
         torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
@@ -68,17 +87,50 @@ def test_decode_ignores_garbage_in_padding(decode_backend):
     seq_lens = [3, 20]
     cache, tables, contiguous = random_paged_cache(seq_lens, 2, 16, 8)
     for n, table in zip(seq_lens, tables):
-        cache[:, :, table[-1], n % 8 or 8:] = float("nan") if decode_backend == "c-kernel" else 1e4
+        cache[:, :, table[-1], n % 8 or 8:] = 1e4 if decode_backend == "torch" else float("nan")
     q = torch.randn(2, 4, 16)
-    block_tables = torch.tensor([tables[0] + [tables[0][0]] * 2, tables[1]])
-    lens = torch.tensor(seq_lens)
-    mask = (torch.arange(3 * 8)[None, :] < lens[:, None])[None, :, None, :]
-    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), 2, block_tables, lens, mask, [])
     attn = Attention(4, 2, 16)
-    out = attn._decode(q, cache[0], cache[1], meta, cpu_kernels.load() is not None)
+    out = run_decode(attn, q, cache, decode_metadata(tables, seq_lens, pad_block=tables[0][0]), decode_backend)
     for i, (k, v) in enumerate(contiguous):
         torch.testing.assert_close(out[i:i + 1], reference_attention(q[i:i + 1], k, v, attn.scale),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(16, 2, 128, 16), (6, 6, 80, 8)])
+def test_triton_decode_split_sequences(splits, heads, kv_heads, head_dim, block_size):
+    """Sequences cut into partitions (flash-decoding), some of which hold no token of a short sequence, merge to
+    the same attention; also GQA groups of 8, head sizes that are not powers of two."""
+    seq_lens = [1, 300, 1000, 65]
+    cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=splits)
+    q = torch.randn(len(seq_lens), heads, head_dim)
+    meta = decode_metadata(tables, seq_lens)
+    out = triton_attention.paged_decode_attention(
+        q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), meta.decode_block_tables.to(DEVICE),
+        meta.decode_seq_lens.to(DEVICE), head_dim ** -0.5, splits=splits).cpu()
+    for i, (k, v) in enumerate(contiguous):
+        torch.testing.assert_close(out[i:i + 1], reference_attention(q[i:i + 1], k, v, head_dim ** -0.5),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_decode_half_precision(dtype):
+    """bf16/fp16 caches (CUDA's defaults): float32 arithmetic on the stored values, the result rounded once."""
+    seq_lens = [7, 130, 41]
+    cache, tables, contiguous = random_paged_cache(seq_lens, 2, 64, 16)
+    cache = cache.to(dtype)
+    q = torch.randn(len(seq_lens), 8, 64).to(dtype)
+    meta = decode_metadata(tables, seq_lens)
+    for splits in (1, 2):
+        out = triton_attention.paged_decode_attention(
+            q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), meta.decode_block_tables.to(DEVICE),
+            meta.decode_seq_lens.to(DEVICE), 0.125, splits=splits).cpu()
+        assert out.dtype == dtype
+        for i, (k, v) in enumerate(contiguous):
+            expected = reference_attention(q[i:i + 1].float(), k.to(dtype).float(), v.to(dtype).float(), 0.125)
+            # within about an ulp of the output's own rounding (the values stay under 2)
+            torch.testing.assert_close(out[i:i + 1].float(), expected, rtol=0,
+                                       atol=2e-3 if dtype == torch.float16 else 1e-2)
 
 
 def test_mixed_batch_with_chunked_prefill_matches_reference():
@@ -109,13 +161,11 @@ def test_mixed_batch_with_chunked_prefill_matches_reference():
     k = torch.stack([keys[s][p] for s, p in new])
     v = torch.stack([values[s][p] for s, p in new])
     max_blocks = max(len(t) for t in tables[:2])
-    lens = torch.tensor(full_lens[:2])
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([slot(s, p) for s, p in new]),
         num_decodes=2,
         decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:2]]),
-        decode_seq_lens=lens,
-        decode_mask=(torch.arange(max_blocks * block_size)[None, :] < lens[:, None])[None, :, None, :],
+        decode_seq_lens=torch.tensor(full_lens[:2]),
         prefills=[PrefillChunk(2, 6, 0, torch.tensor(tables[2])), PrefillChunk(8, 6, 4, torch.tensor(tables[3]))],
     )
     out = attn(q, k, v, cache, meta).view(-1, heads, head_dim)

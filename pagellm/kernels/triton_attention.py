@@ -1,0 +1,142 @@
+"""Paged decode attention in Triton for CUDA: each query reads its sequence's K/V through its block table, in place.
+
+One program handles one (sequence, kv head, split) triple: the query heads that share the kv head (GQA) are the
+rows of one `tl.dot`, so each K/V tile is read once for the whole group. The sequence's tokens are walked in
+tiles of BLOCK_N with an online softmax; a tile's tokens may span several cache blocks (each token looks up its
+own block), so any block size works. When there are too few (sequence, kv head) pairs to fill the GPU, the
+sequence is also split into partitions (flash-decoding) whose partial results a second kernel merges by their
+log-sum-exp.
+
+Imported only where it runs: on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before
+this module is imported), which is how the tests check it on machines without a GPU.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32  # tokens per tile: tl.dot needs at least 16
+MIN_PARTITION = 256  # tokens: shorter partitions cost more in the merge than they gain in parallelism
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_ptr, lse_ptr, scale,
+                   stride_qb, stride_qh, stride_ch, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh, stride_os,
+                   stride_lb, stride_lh, block_size, partition_size, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    start = split * partition_size
+    end = tl.minimum(seq_len, start + partition_size)
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, DIM_PAD)
+    row_mask = rows < GROUP
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    cache_base = kv_head.to(tl.int64) * stride_ch
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        blocks = tl.load(block_tables + seq * stride_tb + tokens // block_size, mask=valid, other=0)
+        offsets = cache_base + blocks.to(tl.int64) * stride_cb + (tokens % block_size) * stride_cs
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out_rows = seq * stride_ob + heads * stride_oh + split * stride_os
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        # A partition past the sequence's end saw no token: weight zero in the merge (log-sum-exp of -inf).
+        empty = l_i == 0.0
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        partial = acc / tl.where(empty, 1.0, l_i)[:, None]
+        tl.store(out_ptr + out_rows[:, None] + dims[None, :], partial, mask=out_mask)
+        tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=row_mask)
+    else:
+        tl.store(out_ptr + out_rows[:, None] + dims[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+@triton.jit
+def _merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    split_mask = splits < num_splits
+    lse = tl.load(lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
+    weights = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds tokens, so the max is finite
+    partial = tl.load(partial_ptr + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+                      mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Partitions per sequence: enough programs for about two per SM, none shorter than MIN_PARTITION tokens."""
+    wanted = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_PARTITION)))
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           splits: int | None = None) -> torch.Tensor:
+    """query [B, H, D]; caches [Hkv, num_blocks, block_size, D] with contiguous head rows; block_tables
+    [B, max_blocks]; seq_lens [B] (including the query token). Returns [B, H, D] in the query's dtype. `splits`
+    overrides the number of partitions per sequence (tests)."""
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+    query = query.contiguous()
+    block_tables = block_tables.contiguous()
+    # The block table's width bounds every length without reading seq_lens back from the device.
+    max_seq_len = block_tables.shape[1] * block_size
+    splits = splits or num_splits(batch, num_kv_heads, max_seq_len, query.device)
+    partition = triton.cdiv(triton.cdiv(max_seq_len, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(max_seq_len, partition)
+    out = torch.empty_like(query)
+    meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N,
+                # Products run in float32 on tensor cores as TF32, which holds bf16/fp16 inputs exactly; a float32
+                # cache keeps full float32 products.
+                PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    cache_strides = key_cache.stride()[:3]
+    if splits == 1:
+        _decode_kernel[(batch, num_kv_heads, 1)](
+            query, key_cache, value_cache, block_tables, seq_lens, out, out, scale, query.stride(0),
+            query.stride(1), *cache_strides, block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
+            block_size, partition, SPLIT=False, **meta)
+        return out
+    partial = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=query.device)
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, partial, lse, scale, query.stride(0), query.stride(1),
+        *cache_strides, block_tables.stride(0), *partial.stride()[:3], *lse.stride()[:2], block_size, partition,
+        SPLIT=True, **meta)
+    _merge_kernel[(batch, num_heads)](
+        partial, lse, out, splits, *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=meta["DIM_PAD"], SPLITS_PAD=triton.next_power_of_2(splits))
+    return out
