@@ -55,6 +55,7 @@ class ModelConfig:
     quantization: str = "none"  # how weights are stored: see layers/quantization.py
     quantize_activations: bool = False  # int8 activations for packed weights, matmuls up to 48 rows (linear_int8.h)
     gguf_file: str | None = None  # the GGUF file the checkpoint directory was converted from
+    enforce_eager: bool = False  # CUDA: no decode graphs
 
     @property
     def num_layers(self) -> int:

@@ -46,6 +46,7 @@ class EngineArgs:
     max_logprobs: int = 20
     quantization: str | None = None  # None: "gguf" for a GGUF model on the CPU in float32, else "none"
     quantize_activations: bool = False  # llama.cpp's arithmetic for packed weights: faster, no longer exact
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured graphs
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for the host block tier
     preemption_mode: str = "recompute"
@@ -93,6 +94,7 @@ class EngineArgs:
             quantization=quantization,
             quantize_activations=self.quantize_activations,
             gguf_file=str(gguf_file) if gguf_file else None,
+            enforce_eager=self.enforce_eager,
         )
         return EngineConfig(
             model_config=model_config,
@@ -167,6 +169,8 @@ class EngineArgs:
                             default=EngineArgs.quantize_activations,
                             help="round activations to int8 per block before multiplying with packed weights, in "
                                  "matmuls of up to 48 rows (decode; llama.cpp's arithmetic): faster, no longer exact")
+        parser.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
+                            help="CUDA: run decode steps eagerly, without capturing CUDA graphs")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.enable_prefix_caching,
                             help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "

@@ -29,6 +29,7 @@ from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillCh
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
+from pagellm.worker.cuda_graphs import Capture, DecodeGraphs
 from pagellm.worker.input_batch import BatchedRequest, InputBatch, attach_grammar_bitmask
 from pagellm.worker.sampling_inputs import build_sampling_tensors
 
@@ -87,6 +88,7 @@ class ModelRunner:
         self._awaiting_grammar: tuple[ForwardResult, list[str]] | None = None
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
+        self.decode_graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.input_batch = InputBatch()
@@ -95,6 +97,14 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.device)
         logger.info("Model weights: %.1f MB (quantization: %s).", self.weight_bytes() / 1e6,
                     self.model_config.quantization)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_batch: int, scratch_block: int, capture: Capture | None = None) -> None:
+        """Capture the decode forward for batches of up to `max_batch` sequences over the current KV cache, whose
+        block `scratch_block` no request owns (padding rows write there)."""
+        max_blocks = -(-self.model_config.max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_blocks, self.block_size,
+                                          scratch_block, self.device, capture)
 
     def forget_requests(self) -> None:
         """Drop every sequence's state (after the profiling run)."""
@@ -190,7 +200,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         inputs = self.prepare_inputs(batch)
         prepared = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         if hidden is None:  # a pipeline stage before the last: it sent its activations on, the last one samples
             return ModelRunnerOutput({}, phase_seconds={"prepare_inputs": prepared - start,
                                                         "forward": time.perf_counter() - prepared})
@@ -206,6 +216,13 @@ class ModelRunner:
             self._awaiting_grammar = (step, output.structured_output_request_ids)
             return None
         return self._sample_step(step)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor | None:
+        graphs, meta = self.decode_graphs, inputs.meta
+        bucket = graphs.bucket(meta.num_decodes) if graphs is not None and not meta.prefills else None
+        if bucket is not None:
+            return graphs.run(bucket, inputs.input_ids, inputs.positions, meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:

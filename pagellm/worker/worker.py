@@ -119,7 +119,7 @@ class Worker:
             output.scheduled.append(ScheduledRequest(f"profile-{i}", length, 0, [],
                                                      list(range(next_block, next_block + num_blocks)), True))
             next_block += num_blocks
-        self.initialize_cache(next_block)
+        self._attach_cache(next_block)
         self.model_runner.execute_model(output)
         self.model_runner.forget_requests()
         self.cache_engine = None
@@ -164,6 +164,20 @@ class Worker:
                                   self.tensor_parallel_size, self.num_layers)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """The KV cache of `num_blocks` blocks (and the host tier); on CUDA, then the decode graphs, which take one
+        more block, past the scheduler's, for their padding rows."""
+        graphs = self.uses_decode_graphs()
+        self._attach_cache(num_blocks + graphs, num_host_blocks)
+        if graphs:
+            self.model_runner.capture_decode_graphs(self.config.scheduler_config.max_num_seqs, num_blocks)
+
+    def uses_decode_graphs(self) -> bool:
+        """CUDA graphs for decode steps: on CUDA, one rank (a graph cannot hold a step's collectives here), unless
+        --enforce-eager."""
+        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
+                and self.config.parallel_config.world_size == 1)
+
+    def _attach_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device,
                                         num_host_blocks, self.tensor_parallel_size, self.num_layers)
         self.model_runner.kv_caches = self.cache_engine.kv_caches
