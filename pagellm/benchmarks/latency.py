@@ -91,13 +91,15 @@ def bench_pagellm(llm, prompts: list[list[int]], output_len: int, repeats: int, 
 
 
 def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> LatencyResult:
-    input_ids = torch.tensor(prompts)
+    input_ids = torch.tensor(prompts, device=model.device)
 
     def run(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                            max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        if input_ids.is_cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     run(2)
@@ -171,12 +173,13 @@ def run(args: argparse.Namespace) -> None:
     model_config = llm.llm_engine.config.model_config
     device = llm.llm_engine.config.device_config.device
     rng = random.Random(0)
-    bandwidth = memory_bandwidth()
-    peak = peak_matmul_flops(torch.float32, device)
+    bandwidth = memory_bandwidth(device)
+    peak = peak_matmul_flops(model_config.dtype, device)
     print(f"{model_config.served_model_name}: input {args.input_len}, output {args.output_len} tokens, "
           f"{torch.get_num_threads()} threads, {device}; quantization {model_config.quantization}"
           f"{' + int8 activations' if model_config.quantize_activations else ''}. "
-          f"Machine: {bandwidth / 1e9:.1f} GB/s memory read, {peak / 1e9:.0f} GFLOP/s float32 matmul peak.")
+          f"Machine: {bandwidth / 1e9:.1f} GB/s memory read, {peak / 1e9:.0f} GFLOP/s "
+          f"{str(model_config.dtype).removeprefix('torch.')} matmul peak.")
     results: list[LatencyResult] = []
     for batch in args.batch_size:
         prompts = [[rng.randrange(256, model_config.vocab_size) for _ in range(args.input_len)]

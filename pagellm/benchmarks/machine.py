@@ -24,13 +24,21 @@ def peak_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 1024
     return best
 
 
-def memory_bandwidth(num_bytes: int = 512 * 2**20, seconds: float = 1.0) -> float:
-    """Best sustained read bandwidth in bytes/s: summing a float32 tensor far larger than the caches."""
-    data = torch.ones(num_bytes // 4)
+def memory_bandwidth(device: torch.device = torch.device("cpu"), num_bytes: int = 512 * 2**20,
+                     seconds: float = 1.0) -> float:
+    """Best sustained read bandwidth of `device`'s memory in bytes/s: summing a float32 tensor far larger than the
+    caches (on CUDA, 4x as large, to outgrow the L2 and the launch cost)."""
+    if device.type == "cuda":
+        num_bytes *= 4
+    data = torch.ones(num_bytes // 4, device=device)
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         data.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         best = max(best, num_bytes / (time.perf_counter() - start))
     return best
 
