@@ -127,9 +127,11 @@ AVX2 static inline float hsum(__m256 v) {
 /* ---- small M: the block decoded in registers, no buffer (linear_fused.h; linear_int8.h when opted in) ---- */
 #define FUSED_MAX_M 4 /* activation rows per kernel call: the register budget */
 /* Up to how many rows the small-M path beats dequantized tiles, calling the kernels FUSED_MAX_M rows at a time
- * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12); with int8
- * activations up to 48 (1.8x at 8; at 32 1.12x, 1.3-1.6x on K-quants; at 48 even on Q4_1, 1.2-1.3x on K-quants;
- * at 64 mixed); float weights only at FUSED_MAX_M (0.96x at 5). */
+ * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12; against
+ * linear_tiles.h on TinyLlama's, 1.0-1.2x at 8); with int8 activations up to 48 on the 32-weight types (1.8x at
+ * 8; at 48 even on Q4_1; 0.9x at 128 against linear_tiles.h); float weights only at FUSED_MAX_M (0.96x at 5).
+ * K-quants with int8 activations take the small-M path at any length: against linear_tiles.h on TinyLlama's
+ * shapes it measured 1.2-1.25x at 64 rows and 1.05-1.15x at 512 (Q3_K 1.1x at 64, even from 128). */
 #define PACKED_FUSED_MAX_ROWS 8
 #define INT8_MAX_ROWS 48
 #include "linear_int8.h"
@@ -236,24 +238,30 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     const int64_t n = w->n, k = w->k;
 #if HAVE_X86
     const int int8 = w->int8_activations && !is_float_type(w->type);
-    if (w->use_avx2 && m <= (int8 ? INT8_MAX_ROWS : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS) &&
-        k % 32 == 0) {
+    const int64_t small = int8 ? (is_k_type(w->type) ? m : INT8_MAX_ROWS)
+                               : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS;
+    if (w->use_avx2 && m <= small && k % 32 == 0) {
         /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows */
         float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32 : 3 * sizeof(float)));
         if (xsum == NULL) return -2;
         float *xsum16 = xsum + m * (k / 32);
-        for (int64_t i = 0; i < m; i++)
+        float *scale = xsum16 + m * (k / 16);
+        int16_t *qsum16 = (int16_t *)(scale + m * (k / 32));
+        int8_t *q = (int8_t *)(qsum16 + m * (k / 16));
+        const int64_t group = q8_group(w->type);
+        const int offsets = w->type == T_Q3_K || w->type == T_Q6_K; /* int8 sums of 16 needed */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (m > 2 * FUSED_MAX_M)
+        for (int64_t i = 0; i < m; i++) {
             for (int64_t c = 0; c < k / 16; c++) {
                 float s = 0.0f;
                 for (int j = 0; j < 16; j++) s += x[i * ldx + c * 16 + j];
                 xsum16[i * (k / 16) + c] = s;
                 if (c & 1) xsum[i * (k / 32) + c / 2] = xsum16[i * (k / 16) + c - 1] + s;
             }
-        float *scale = xsum16 + m * (k / 16);
-        int16_t *qsum16 = (int16_t *)(scale + m * (k / 32));
-        int8_t *q = (int8_t *)(qsum16 + m * (k / 16));
-        const int64_t group = q8_group(w->type);
-        if (int8) quantize_rows_q8(x, m, ldx, k, group, q, scale, w->type == T_Q3_K || w->type == T_Q6_K ? qsum16 : NULL);
+            if (int8)
+                quantize_rows_q8(x + i * ldx, 1, ldx, k, group, q + i * k, scale + i * (k / group),
+                                 offsets ? qsum16 + i * (k / 16) : NULL);
+        }
         /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
          * rows, which stay in cache between them: the weights are still streamed from memory once. */
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */
