@@ -10,15 +10,16 @@
  * Work split: for a few activation rows (up to PACKED_FUSED_MAX_ROWS, INT8_MAX_ROWS with int8 activations,
  * FUSED_MAX_M for float weights) each block is decoded in registers, once for every FUSED_MAX_M of them,
  * streaming the packed weights once; 32-weight block types go four weight rows at a time through the interleaved
- * layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded. For more rows, output rows go
- * in tiles of TILE_ROWS: each tile is dequantized into a small float buffer that stays in L1/L2 and multiplied
- * with every activation row by a register-blocked micro-kernel (3 activation rows x 4 weight rows, 12
- * accumulators), so each dequantized tile is reused M times; float32 weights are read in place. Rows are spread
- * over OpenMP threads (the process's libgomp: the same pool PyTorch uses).
+ * layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded. For more rows (prefill), the
+ * weight is dequantized once per call, a slice of a few rows at a time that stays in cache while it meets every
+ * activation row in a register-blocked outer product (linear_tiles.h). The portable path dequantizes TILE_ROWS
+ * rows at a time into a buffer instead. Work is spread over OpenMP threads (the process's libgomp: the same pool
+ * PyTorch uses).
  *
  * Each function has an AVX2+FMA+F16C version (target attribute) and a portable scalar version; the caller picks
  * with `use_avx2`, after asking pagellm_cpu_has_avx2().
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,8 +27,7 @@
 #include "ggml_blocks.h"
 #include "ggml_k_quants.h"
 
-#define TILE_ROWS 4
-#define MR 3 /* activation rows per micro-kernel call */
+#define TILE_ROWS 4 /* the portable path's weight rows per buffer */
 
 /* The weight as Python describes it once (kernels/linear.py `_Matrix`); the fused decoder passes these around. A
  * stack (num_parts > 0) is several matrices of one input stacked along the output, each in its own storage type
@@ -52,29 +52,30 @@ typedef struct {
     const int16_t *qsum16; /* [m, k / 16]: sums of q over each 16 */
 } activations;
 
-static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, float *dst) {
+/* Columns [c0, c1) of row r as float32 into dst; c0 and c1 whole blocks (or k). */
+static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
     const uint8_t *src = w->w + r * w->row_bytes;
     switch (w->type) {
     case T_F32:
-        memcpy(dst, src, (size_t)w->k * 4);
+        memcpy(dst, src + 4 * c0, (size_t)(c1 - c0) * 4);
         return;
     case T_F16:
-        for (int64_t i = 0; i < w->k; i++) dst[i] = fp16_to_fp32(load_u16(src + 2 * i));
+        for (int64_t i = c0; i < c1; i++) dst[i - c0] = fp16_to_fp32(load_u16(src + 2 * i));
         return;
     case T_BF16:
-        for (int64_t i = 0; i < w->k; i++) {
+        for (int64_t i = c0; i < c1; i++) {
             const uint32_t bits = (uint32_t)load_u16(src + 2 * i) << 16;
-            memcpy(dst + i, &bits, 4);
+            memcpy(dst + i - c0, &bits, 4);
         }
         return;
     }
     if (is_k_type(w->type)) {
-        for (int64_t s = 0; s < w->k / 256; s++)
-            dequant_super_block_scalar(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
+        for (int64_t s = c0 / 256; s < c1 / 256; s++)
+            dequant_super_block_scalar(w->type, src + s * super_block_bytes(w->type), dst + 256 * s - c0);
         return;
     }
-    for (int64_t b = 0; b < w->k / 32; b++)
-        dequant_block_scalar(w->type, block_at(w->type, w->w, w->row_bytes, w->grouped_rows, r, b), dst + 32 * b);
+    for (int64_t b = c0 / 32; b < c1 / 32; b++)
+        dequant_block_scalar(w->type, block_at(w->type, w->w, w->row_bytes, w->grouped_rows, r, b), dst + 32 * b - c0);
 }
 
 /* out[m * ldo + r] = sum_k x[m * ldx + k] * w[r * ldw + k] for m < mb, r < rb. */
@@ -91,27 +92,27 @@ static void tile_gemm_scalar(const float *x, int64_t mb, int64_t ldx, const floa
 /* ---- AVX2 + FMA + F16C ------------------------------------------------------------------------------ */
 #if HAVE_X86
 
-AVX2 static void dequant_row_avx2(const pagellm_matrix *w, int64_t r, float *dst) {
+/* Same contract as dequant_row_scalar, bit-identical. */
+AVX2 static void dequant_row_avx2(const pagellm_matrix *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
+    const uint8_t *src = w->w + r * w->row_bytes;
     if (w->type == T_F16) {
-        const uint8_t *src = w->w + r * w->row_bytes;
-        int64_t i = 0;
-        for (; i + 8 <= w->k; i += 8)
-            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
-        for (; i < w->k; i++) dst[i] = fp16_to_fp32(load_u16(src + 2 * i));
+        int64_t i = c0;
+        for (; i + 8 <= c1; i += 8)
+            _mm256_storeu_ps(dst + i - c0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+        for (; i < c1; i++) dst[i - c0] = fp16_to_fp32(load_u16(src + 2 * i));
         return;
     }
     if (is_k_type(w->type)) {
-        const uint8_t *src = w->w + r * w->row_bytes;
-        for (int64_t s = 0; s < w->k / 256; s++)
-            dequant_super_block_avx2(w->type, src + s * super_block_bytes(w->type), dst + 256 * s);
+        for (int64_t s = c0 / 256; s < c1 / 256; s++)
+            dequant_super_block_avx2(w->type, src + s * super_block_bytes(w->type), dst + 256 * s - c0);
         return;
     }
     if (!is_block_type(w->type)) {
-        dequant_row_scalar(w, r, dst);
+        dequant_row_scalar(w, r, c0, c1, dst);
         return;
     }
-    for (int64_t b = 0; b < w->k / 32; b++)
-        dequant_block_avx2(w->type, block_at(w->type, w->w, w->row_bytes, w->grouped_rows, r, b), dst + 32 * b);
+    for (int64_t b = c0 / 32; b < c1 / 32; b++)
+        dequant_block_avx2(w->type, block_at(w->type, w->w, w->row_bytes, w->grouped_rows, r, b), dst + 32 * b - c0);
 }
 
 AVX2 static inline float hsum(__m256 v) {
@@ -121,44 +122,16 @@ AVX2 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Same contract as tile_gemm_scalar, rb <= TILE_ROWS. Activation rows go MR at a time; missing rows of the last
- * group repeat row 0 (computed, not stored), so the inner loop has no branches. */
-AVX2 static void tile_gemm_avx2(const float *x, int64_t mb, int64_t ldx, const float *w, int64_t rb, int64_t ldw,
-                                int64_t k, float *out, int64_t ldo) {
-    const int64_t k8 = k & ~(int64_t)7;
-    const float *wr[TILE_ROWS];
-    for (int r = 0; r < TILE_ROWS; r++) wr[r] = w + (r < rb ? r : 0) * ldw;
-    for (int64_t m0 = 0; m0 < mb; m0 += MR) {
-        const int64_t rows = mb - m0 < MR ? mb - m0 : MR;
-        const float *x0 = x + m0 * ldx, *x1 = rows > 1 ? x0 + ldx : x0, *x2 = rows > 2 ? x0 + 2 * ldx : x0;
-        __m256 acc[MR][TILE_ROWS];
-        for (int i = 0; i < MR; i++)
-            for (int r = 0; r < TILE_ROWS; r++) acc[i][r] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < k8; i += 8) {
-            const __m256 a0 = _mm256_loadu_ps(x0 + i), a1 = _mm256_loadu_ps(x1 + i), a2 = _mm256_loadu_ps(x2 + i);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                const __m256 b = _mm256_loadu_ps(wr[r] + i);
-                acc[0][r] = _mm256_fmadd_ps(a0, b, acc[0][r]);
-                acc[1][r] = _mm256_fmadd_ps(a1, b, acc[1][r]);
-                acc[2][r] = _mm256_fmadd_ps(a2, b, acc[2][r]);
-            }
-        }
-        const float *xs[MR] = {x0, x1, x2};
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t r = 0; r < rb; r++) {
-                float s = hsum(acc[i][r]);
-                for (int64_t j = k8; j < k; j++) s += xs[i][j] * wr[r][j];
-                out[(m0 + i) * ldo + r] = s;
-            }
-    }
-}
+#include "linear_tiles.h"
 
 /* ---- small M: the block decoded in registers, no buffer (linear_fused.h; linear_int8.h when opted in) ---- */
 #define FUSED_MAX_M 4 /* activation rows per kernel call: the register budget */
 /* Up to how many rows the small-M path beats dequantized tiles, calling the kernels FUSED_MAX_M rows at a time
- * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12); with int8
- * activations up to 48 (1.8x at 8; at 32 1.12x, 1.3-1.6x on K-quants; at 48 even on Q4_1, 1.2-1.3x on K-quants;
- * at 64 mixed); float weights only at FUSED_MAX_M (0.96x at 5). */
+ * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12; against
+ * linear_tiles.h on TinyLlama's, 1.0-1.2x at 8); with int8 activations up to 48 on the 32-weight types (1.8x at
+ * 8; at 48 even on Q4_1; 0.9x at 128 against linear_tiles.h); float weights only at FUSED_MAX_M (0.96x at 5).
+ * K-quants with int8 activations take the small-M path at any length: against linear_tiles.h on TinyLlama's
+ * shapes it measured 1.2-1.25x at 64 rows and 1.05-1.15x at 512 (Q3_K 1.1x at 64, even from 128). */
 #define PACKED_FUSED_MAX_ROWS 8
 #define INT8_MAX_ROWS 48
 #include "linear_int8.h"
@@ -225,9 +198,9 @@ static int valid(const pagellm_matrix *w) {
 
 static void dequant_row(const pagellm_matrix *w, int64_t r, float *dst) {
 #if HAVE_X86
-    if (w->use_avx2) { dequant_row_avx2(w, r, dst); return; }
+    if (w->use_avx2) { dequant_row_avx2(w, r, 0, w->k, dst); return; }
 #endif
-    dequant_row_scalar(w, r, dst);
+    dequant_row_scalar(w, r, 0, w->k, dst);
 }
 
 /* Rows `ids[0..count)` of the matrix as float32 into out [count, k]. Returns 0, or -1 for an invalid matrix. */
@@ -265,24 +238,30 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     const int64_t n = w->n, k = w->k;
 #if HAVE_X86
     const int int8 = w->int8_activations && !is_float_type(w->type);
-    if (w->use_avx2 && m <= (int8 ? INT8_MAX_ROWS : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS) &&
-        k % 32 == 0) {
+    const int64_t small = int8 ? (is_k_type(w->type) ? m : INT8_MAX_ROWS)
+                               : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS;
+    if (w->use_avx2 && m <= small && k % 32 == 0) {
         /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows */
         float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32 : 3 * sizeof(float)));
         if (xsum == NULL) return -2;
         float *xsum16 = xsum + m * (k / 32);
-        for (int64_t i = 0; i < m; i++)
+        float *scale = xsum16 + m * (k / 16);
+        int16_t *qsum16 = (int16_t *)(scale + m * (k / 32));
+        int8_t *q = (int8_t *)(qsum16 + m * (k / 16));
+        const int64_t group = q8_group(w->type);
+        const int offsets = w->type == T_Q3_K || w->type == T_Q6_K; /* int8 sums of 16 needed */
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (m > 2 * FUSED_MAX_M)
+        for (int64_t i = 0; i < m; i++) {
             for (int64_t c = 0; c < k / 16; c++) {
                 float s = 0.0f;
                 for (int j = 0; j < 16; j++) s += x[i * ldx + c * 16 + j];
                 xsum16[i * (k / 16) + c] = s;
                 if (c & 1) xsum[i * (k / 32) + c / 2] = xsum16[i * (k / 16) + c - 1] + s;
             }
-        float *scale = xsum16 + m * (k / 16);
-        int16_t *qsum16 = (int16_t *)(scale + m * (k / 32));
-        int8_t *q = (int8_t *)(qsum16 + m * (k / 16));
-        const int64_t group = q8_group(w->type);
-        if (int8) quantize_rows_q8(x, m, ldx, k, group, q, scale, w->type == T_Q3_K || w->type == T_Q6_K ? qsum16 : NULL);
+            if (int8)
+                quantize_rows_q8(x + i * ldx, 1, ldx, k, group, q + i * k, scale + i * (k / group),
+                                 offsets ? qsum16 + i * (k / 16) : NULL);
+        }
         /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
          * rows, which stay in cache between them: the weights are still streamed from memory once. */
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */
@@ -298,6 +277,10 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
         return 0;
     }
 #endif
+#if HAVE_X86
+    if (w->use_avx2) return tiles_avx2(w, x, m, ldx, out, ldo, nthreads);
+#endif
+    /* the portable path: TILE_ROWS rows at a time dequantized into a buffer (read in place for float32) */
     const int64_t tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
     int status = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -311,20 +294,13 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
         for (int64_t t = 0; t < tiles; t++) {
             if (w->type != T_F32 && buffer == NULL) continue;
             const int64_t r0 = t * TILE_ROWS, rb = n - r0 < TILE_ROWS ? n - r0 : TILE_ROWS;
-            const float *tile;
-            int64_t ldw;
             if (w->type == T_F32) {
-                tile = (const float *)(w->w + r0 * w->row_bytes);
-                ldw = w->row_bytes / 4;
-            } else {
-                for (int64_t r = 0; r < rb; r++) dequant_row(w, r0 + r, buffer + r * k);
-                tile = buffer;
-                ldw = k;
+                tile_gemm_scalar(x, m, ldx, (const float *)(w->w + r0 * w->row_bytes), rb, w->row_bytes / 4, k,
+                                 out + r0, ldo);
+                continue;
             }
-#if HAVE_X86
-            if (w->use_avx2) { tile_gemm_avx2(x, m, ldx, tile, rb, ldw, k, out + r0, ldo); continue; }
-#endif
-            tile_gemm_scalar(x, m, ldx, tile, rb, ldw, k, out + r0, ldo);
+            for (int64_t r = 0; r < rb; r++) dequant_row_scalar(w, r0 + r, 0, k, buffer + r * k);
+            tile_gemm_scalar(x, m, ldx, buffer, rb, k, k, out + r0, ldo);
         }
         free(buffer);
     }

@@ -104,7 +104,29 @@ def test_k_quants_match_numpy(isa, qtype, rows, out_features, in_features):
     np.testing.assert_array_equal(matmul.dequantize().numpy(), dequantized)  # bit for bit, as ggml
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.fixture(params=[1, 2], ids=lambda t: f"{t}threads")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,out_features", [(9, 61), (17, 6), (24, 25), (40, 1), (70, 50)])
+def test_prefill_tiles_match_numpy(isa, threads, qtype, rows, out_features):
+    """Prefill-sized batches (the tile path): activation blocks of 16 with 1-8 and 9-16 rows left over, panels of
+    6 weight rows in groups of 4 with some left over, several column slices of 256 and a short last one."""
+    in_features = 768 if qtype in K_TYPES else 300 if qtype in (QT.F32, QT.F16, QT.BF16) else 288  # 300: not 8k
+    rng = np.random.default_rng(rows * 100 + out_features)
+    packed = encode(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    want, dequantized = reference(x, packed, qtype, in_features)
+    got = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)(torch.from_numpy(x)).numpy()
+    assert_matmul_close(got, x, dequantized, want)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 20])
 def test_float32_odd_width_and_strided_activations(isa, rows):
     """Float32 rows of any width (no 32-wide blocks), and activations that are a column slice of a wider tensor."""
     rng = np.random.default_rng(rows)

@@ -86,7 +86,7 @@ def test_int8_activations_match_numpy(qtype, rows):
 
 @pytest.mark.parametrize("rows", [5, 8, 48])
 def test_several_kernel_calls_per_matmul(rows):
-    """Above four activation rows the kernel runs four at a time, up to 48 rows with int8 activations."""
+    """Above four activation rows the kernel runs four at a time."""
     qtype, in_features = QT.Q6_K, 256
     packed = packed_matrix(qtype, 12, in_features)
     x = np.random.default_rng(rows).standard_normal((rows, in_features)).astype(np.float32)
@@ -95,9 +95,31 @@ def test_several_kernel_calls_per_matmul(rows):
     np.testing.assert_allclose(matmul(torch.from_numpy(x)).numpy(), want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [49, 70])
+def test_k_quants_use_int8_activations_at_every_length(qtype, rows, threads):
+    """K-quants keep the int8 path above 48 rows (prefill), row counts that are no multiple of four included."""
+    in_features, out_features = 512, 37
+    packed = packed_matrix(qtype, out_features, in_features, seed=rows)
+    x = np.random.default_rng(rows).standard_normal((rows, in_features)).astype(np.float32)
+    matmul = int8_matmul(packed, qtype, in_features)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = matmul(torch.from_numpy(x)).numpy().astype(np.float64)
+    finally:
+        torch.set_num_threads(before)
+    want = int8_reference(x, packed, qtype, in_features)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale)
+    exact = x.astype(np.float64) @ gguf.quants.dequantize(packed, qtype).reshape(out_features, in_features).T
+    assert np.abs(got - exact).max() > 1e-4 * scale
+
+
 def test_rows_outside_the_groups_and_large_batches_stay_exact():
-    """A block-type matrix's last n % 4 rows (outside the interleaved groups) and batches above 48 rows take the
-    float path."""
+    """A block-type matrix's last n % 4 rows (outside the interleaved groups) and, for the 32-weight types,
+    batches above 48 rows take the float path."""
     qtype, in_features = QT.Q4_1, 96
     packed = packed_matrix(qtype, 7, in_features)
     weight = gguf.quants.dequantize(packed, qtype).reshape(7, in_features).astype(np.float64)
