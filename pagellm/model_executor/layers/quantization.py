@@ -7,8 +7,9 @@
 - "int8": float checkpoints are quantized to Q8_0 (int8 with one float16 scale per 32 weights) when loaded.
 - "none": every weight is dequantized to the model dtype.
 
-Independently, `--quantize-activations` gives packed weights llama.cpp's arithmetic in matmuls of up to 48 rows
-(decode; int8 activations, kernels/linear_int8.h): faster, no longer exact.
+Independently, `--quantize-activations` gives packed weights llama.cpp's arithmetic (int8 activations,
+kernels/linear_int8.h): K-quants in every matmul, the 32-weight types in matmuls of up to 48 rows; faster, no
+longer exact.
 """
 from __future__ import annotations
 
