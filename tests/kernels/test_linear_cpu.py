@@ -104,14 +104,6 @@ def test_k_quants_match_numpy(isa, qtype, rows, out_features, in_features):
     np.testing.assert_array_equal(matmul.dequantize().numpy(), dequantized)  # bit for bit, as ggml
 
 
-@pytest.fixture(params=[1, 2], ids=lambda t: f"{t}threads")
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,out_features", [(9, 61), (17, 6), (24, 25), (40, 1), (70, 50)])
 def test_prefill_tiles_match_numpy(isa, threads, qtype, rows, out_features):

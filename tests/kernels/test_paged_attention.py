@@ -70,6 +70,13 @@ def run_decode(attn: Attention, q, cache, meta: AttentionMetadata, backend: str)
     return attn._decode(q, cache[0], cache[1], meta, backend).cpu()
 
 
+def triton_decode(q, cache, meta: AttentionMetadata, scale: float, splits: int) -> torch.Tensor:
+    """The Triton kernel called directly with `splits` partitions per sequence, on this machine's device."""
+    return triton_attention.paged_decode_attention(
+        q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), meta.decode_block_tables.to(DEVICE),
+        meta.decode_seq_lens.to(DEVICE), scale, splits=splits).cpu()
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 32, 16), (9, 3, 64, 4), (2, 2, 16, 1)])
 def test_decode_matches_reference(decode_backend, heads, kv_heads, head_dim, block_size):
     seq_lens = [1, 5, 17, 64, 33, 2]
@@ -104,10 +111,7 @@ def test_triton_decode_split_sequences(splits, heads, kv_heads, head_dim, block_
     seq_lens = [1, 300, 1000, 65]
     cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=splits)
     q = torch.randn(len(seq_lens), heads, head_dim)
-    meta = decode_metadata(tables, seq_lens)
-    out = triton_attention.paged_decode_attention(
-        q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), meta.decode_block_tables.to(DEVICE),
-        meta.decode_seq_lens.to(DEVICE), head_dim ** -0.5, splits=splits).cpu()
+    out = triton_decode(q, cache, decode_metadata(tables, seq_lens), head_dim ** -0.5, splits)
     for i, (k, v) in enumerate(contiguous):
         torch.testing.assert_close(out[i:i + 1], reference_attention(q[i:i + 1], k, v, head_dim ** -0.5),
                                    rtol=1e-5, atol=1e-5)
@@ -122,9 +126,7 @@ def test_triton_decode_half_precision(dtype):
     q = torch.randn(len(seq_lens), 8, 64).to(dtype)
     meta = decode_metadata(tables, seq_lens)
     for splits in (1, 2):
-        out = triton_attention.paged_decode_attention(
-            q.to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), meta.decode_block_tables.to(DEVICE),
-            meta.decode_seq_lens.to(DEVICE), 0.125, splits=splits).cpu()
+        out = triton_decode(q, cache, meta, 0.125, splits)
         assert out.dtype == dtype
         for i, (k, v) in enumerate(contiguous):
             expected = reference_attention(q[i:i + 1].float(), k.to(dtype).float(), v.to(dtype).float(), 0.125)
