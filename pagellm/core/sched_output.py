@@ -42,6 +42,9 @@ class ScheduledRequest:
     replaces_block_table: bool = False
     needs_sample: bool = True  # False for a prefill chunk that does not reach the end of the known tokens
     num_samples: int = 1  # n > 1: the first sample draws n tokens from the same logits (one per sequence)
+    # Async scheduling: the last token to compute is the one the previous batch samples, unknown here when this
+    # batch was scheduled; the worker takes it from that batch's sampled tokens.
+    pending_token: bool = False
 
 
 @dataclass

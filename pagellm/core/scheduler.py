@@ -6,6 +6,9 @@ budget `max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer th
 into chunks (when chunked prefill is on), so decodes never stall behind it. A request admitted with a cached
 prefix (see KVCacheManager) starts with those tokens computed.
 
+With async scheduling (see async_scheduling.py) a running request may be scheduled again while a batch holding it
+is still out: it then continues from where that batch leaves it, its sampled token computed blind.
+
 When the KV pool runs out, a running request is preempted: its K/V are dropped and recomputed later, or, with
 `preemption_mode="swap"`, copied to the host tier and back (recompute when the host tier is full).
 
@@ -33,6 +36,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from pagellm.config import SchedulerConfig
+from pagellm.core.async_scheduling import tokens_after_flight
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
@@ -59,9 +63,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self._finished_req_ids: list[str] = []
-        # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight):
-        # not scheduled again, nor preempted, until their results are applied.
-        self.in_flight: set[str] = set()
+        # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
+        # their part of the newest such batch: not preempted, nor scheduled again until their results are applied
+        # (with async scheduling: unless they may continue without them).
+        self.in_flight: dict[str, ScheduledRequest] = {}
         self.num_preemptions_total = 0
         self.groups: dict[str, set[str]] = {}  # group id -> ids of its live sequences
         self._finished_beam_groups: list[BeamGroup] = []
@@ -112,7 +117,7 @@ class Scheduler:
     def recover_from_failed_step(self, output: SchedulerOutput, error: str) -> None:
         """A step failed as a whole, perhaps before its block copies: fail the requests it ran, recompute the ones
         it swapped out instead of trusting their host copies, and forget cached blocks nobody holds."""
-        self.in_flight.difference_update(scheduled.request_id for scheduled in output.scheduled)
+        self._land(output)
         self.fail_requests({r.request_id: error for r in output.scheduled})
         manager = self.kv_cache_manager
         for request_id in output.preempted_req_ids:
@@ -222,23 +227,21 @@ class Scheduler:
         limit = max_scheduled or sys.maxsize
         while index < len(self.running) and token_budget > 0 and len(output.scheduled) < limit:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            # A beam waiting for its siblings' candidates, or a request whose last batch has not come back yet.
-            if num_new == 0 or request.request_id in self.in_flight:
+            flight = self.in_flight.get(request.request_id)
+            # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
+            num_new = self._num_next_tokens(request, flight)
+            if not num_new:
                 index += 1
                 continue
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
-                # Only requests not yet scheduled this step (nor in flight) may go.
-                victim = self.policy.pick_victim(self._preemptible(self.running[index:]))
-                self.running.remove(victim)
-                self._preempt(victim)
-                output.preempted_req_ids.append(victim.request_id)
-                if victim is request:
-                    break
+            num_new = min(num_new, token_budget)
+            # Slots for the tokens of its batch in flight were allocated when that batch was scheduled.
+            allocated = self._allocate_or_preempt(request, (flight.num_tokens if flight else 0) + num_new, index,
+                                                  output)
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; the request now at `index` is the next one
-            output.scheduled.append(self._schedule(request, num_new, output))
-            token_budget -= num_new
+            if allocated:
+                output.scheduled.append(self._schedule(request, num_new, output, flight))
+                token_budget -= num_new
             index += 1
 
         # Admitting new work while running requests are short of blocks would only thrash the cache.
@@ -256,8 +259,47 @@ class Scheduler:
             # batch instead.
             self._finished_req_ids = output.finished_req_ids + output.preempted_req_ids + self._finished_req_ids
             output.finished_req_ids, output.preempted_req_ids = [], []
-        self.in_flight.update(scheduled.request_id for scheduled in output.scheduled)
+        self.in_flight.update((scheduled.request_id, scheduled) for scheduled in output.scheduled)
         return output
+
+    def _num_next_tokens(self, request: Request, flight: ScheduledRequest | None) -> int | None:
+        """Tokens the request could compute this step, before the token budget; None while it must wait for its
+        batch in flight."""
+        if flight is None:
+            return request.num_tokens - request.num_computed_tokens
+        if not self.config.async_scheduling:
+            return None
+        return tokens_after_flight(request, flight, self.config.max_model_len)
+
+    def can_schedule_ahead(self) -> bool:
+        """Async scheduling: whether the next batch may be scheduled before the oldest in flight is collected, i.e.
+        no running request in flight must wait for its results (scheduling without it would leave it a step
+        behind)."""
+        return all(self._num_next_tokens(self.requests[request_id], flight) is not None
+                   for request_id, flight in self.in_flight.items()
+                   if request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING)
+
+    def _allocate_or_preempt(self, request: Request, num_slots: int, index: int, output: SchedulerOutput) -> bool:
+        """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from
+        `index` on (not yet scheduled this step, nor in flight) while the pool is short. False when it could not:
+        the request itself was preempted, or nobody can be."""
+        while not self.kv_cache_manager.allocate_slots(request, num_slots):
+            candidates = self._preemptible(self.running[index:])
+            if not candidates:
+                return False
+            victim = self.policy.pick_victim(candidates)
+            self.running.remove(victim)
+            self._preempt(victim)
+            output.preempted_req_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _land(self, output: SchedulerOutput) -> None:
+        """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them."""
+        for scheduled in output.scheduled:
+            if self.in_flight.get(scheduled.request_id) is scheduled:
+                del self.in_flight[scheduled.request_id]
 
     def _preemptible(self, candidates: list[Request]) -> list[Request]:
         return [r for r in candidates if r.request_id not in self.in_flight] if self.in_flight else candidates
@@ -371,12 +413,19 @@ class Scheduler:
             self._preempt(victim, to_front=False)
             output.preempted_req_ids.append(victim.request_id)
 
-    def _schedule(self, request: Request, num_new: int, output: SchedulerOutput) -> ScheduledRequest:
+    def _schedule(self, request: Request, num_new: int, output: SchedulerOutput,
+                  flight: ScheduledRequest | None = None) -> ScheduledRequest:
         """The request's part of the step, as a diff against what the workers already have (see sched_output.py):
-        a sequence they do not know yet is added to `output.new_requests` in full."""
-        needs_sample = request.num_computed_tokens + num_new == request.num_tokens
+        a sequence they do not know yet is added to `output.new_requests` in full. With a batch of it in `flight`
+        (async scheduling) it starts where that batch ends, after the token that batch samples, if any."""
+        num_computed, num_known = request.num_computed_tokens, request.num_tokens
+        if flight is not None:
+            num_computed = flight.num_computed_tokens + flight.num_tokens
+            num_known += flight.needs_sample
+        needs_sample = num_computed + num_new == num_known
         scheduled = ScheduledRequest(
-            request.request_id, num_new, request.num_computed_tokens, needs_sample=needs_sample,
+            request.request_id, num_new, num_computed, needs_sample=needs_sample,
+            pending_token=flight is not None and flight.needs_sample,
             # n > 1: the first sample is drawn n times from the same logits, then the request forks (beams take
             # their candidates from one sample's logprobs).
             num_samples=self._num_sequences(request) if needs_sample and request.beam_group is None else 1)
@@ -418,7 +467,7 @@ class Scheduler:
         fail with their groups (`fail_requests`) and are left out of the returned lists.
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
         self.kv_cache_manager.finish_step()  # the step's block copies are done
-        self.in_flight.difference_update(scheduled.request_id for scheduled in output.scheduled)
+        self._land(output)
         updated: list[Request] = []
         ready_groups: dict[str, BeamGroup] = {}
         # Keyed by group: a sibling that finished earlier in this update must not hide its group's failure.

@@ -59,6 +59,8 @@ class EngineArgs:
     # A batch per pipeline stage in flight. None: on for CUDA (each rank its own device), off on the CPU, where
     # the stages share the same cores and memory bandwidth and splitting batches measured slower.
     pipeline_overlap: bool | None = None
+    # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/async_scheduling.py).
+    async_scheduling: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -77,6 +79,9 @@ class EngineArgs:
                                          self.distributed_executor_backend, self.data_parallel_size,
                                          pipeline_overlap=pipeline_overlap)
         check_parallel_sizes(hf_config, parallel_config)
+        if self.async_scheduling and parallel_config.distributed_executor_backend != "uni":
+            raise ValueError("--async-scheduling works with one rank in this process (the uni executor); drop it "
+                             "or run without tensor/pipeline parallelism.")
         quantization = self._quantization(device, dtype, gguf_file)
         if self.quantize_activations and quantization == "none":
             raise ValueError("--quantize-activations works on packed weights (--quantization gguf or int8, on the CPU "
@@ -102,7 +107,8 @@ class EngineArgs:
                                      self.enable_prefix_caching, int(self.swap_space * (1 << 30))),
             scheduler_config=SchedulerConfig(max_model_len, self.max_num_seqs, self.max_num_batched_tokens,
                                              self.enable_chunked_prefill, self.scheduling_policy,
-                                             self.preemption_mode, self.short_first_max_wait),
+                                             self.preemption_mode, self.short_first_max_wait,
+                                             self.async_scheduling),
             device_config=DeviceConfig(device),
             parallel_config=parallel_config,
         )
@@ -172,6 +178,9 @@ class EngineArgs:
                                  "no longer exact")
         parser.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
                             help="CUDA: run decode steps eagerly, without capturing CUDA graphs")
+        parser.add_argument("--async-scheduling", action="store_true", default=EngineArgs.async_scheduling,
+                            help="schedule and prepare the next batch while the current one runs, so a GPU never "
+                                 "waits for the CPU (one rank in this process)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.enable_prefix_caching,
                             help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "

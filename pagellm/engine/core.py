@@ -44,6 +44,9 @@ class EngineCore:
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # Async scheduling keeps the next batch queued behind the running one (see core/async_scheduling.py).
+        self.max_in_flight = 2 if self.async_scheduling else self.executor.max_concurrent_batches
 
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
         self.scheduler.add_request(request, beam_group)
@@ -63,13 +66,16 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> EngineCoreOutputs:
-        """One pass: schedule a batch and submit it to the executor if it may take one more; then, unless more
-        can be submitted first (a pipeline with a stage free), collect the oldest batch and apply its results.
+        """One pass: schedule a batch and submit it to the executor if it may take one more (with async scheduling:
+        unless a request in flight must wait for its results); then, unless more can be submitted first (a
+        pipeline with a stage free, the first batch of async scheduling), collect the oldest batch and apply its
+        results.
         Returns what is new for every sequence that got a token, and finished beam searches (nothing when a pass
         only submitted)."""
         start = time.perf_counter()
         stages = self.executor.max_concurrent_batches
-        if len(self._in_flight) < stages:
+        if len(self._in_flight) < self.max_in_flight and (
+                not self._in_flight or not self.async_scheduling or self.scheduler.can_schedule_ahead()):
             # A batch per stage: split the requests so that each stage has one to work on.
             output = self.scheduler.schedule(-(-self.scheduler.num_unfinished // stages) if stages > 1 else None)
             # Before submitting: an in-process executor runs the whole step inside submit_model, and the
@@ -80,7 +86,7 @@ class EngineCore:
                 # that samples waits for it only then (vLLM's split of execute_model and sample_tokens).
                 self.executor.submit_model(output, self.scheduler.start_grammar_bitmask(output))
                 self._in_flight.append(output)
-            if not output.is_empty and len(self._in_flight) < stages:
+            if not output.is_empty and len(self._in_flight) < self.max_in_flight:
                 return EngineCoreOutputs()
         if not self._in_flight:
             if self.scheduler.waiting_for_fsm:

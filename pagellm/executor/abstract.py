@@ -17,6 +17,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.logger import init_logger
+from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -27,7 +28,8 @@ class Executor(ABC):
         self.config = config
         self._failure: str | None = None  # why the workers are gone, once they are
         self._failure_callbacks: list[Callable[[str], None]] = []
-        self._submitted: deque[ModelRunnerOutput | Exception] = deque()  # results of submitted steps, oldest first
+        # Results of submitted steps, oldest first (with async scheduling, tokens perhaps still on the device).
+        self._submitted: deque[ModelRunnerOutput | AsyncModelRunnerOutput | Exception] = deque()
 
     @staticmethod
     def create(config: EngineConfig) -> Executor:
@@ -46,8 +48,10 @@ class Executor(ABC):
         """Call `method` on every worker; returns one result per rank, in rank order."""
 
     @abstractmethod
-    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
-        """Run one step on every rank; returns the output rank's output. `bitmask`, for a step with constrained
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Run one step on every rank; returns the output rank's output (with async scheduling, one rank in this
+        process: perhaps before its sampled tokens have reached the host). `bitmask`, for a step with constrained
         sequences, is their bitmask being computed (see core/sched_output.py): the output rank runs the forward
         pass meanwhile and waits for it only to sample (its `execute_model` returns None, `sample_tokens` the
         result)."""
@@ -73,7 +77,7 @@ class Executor(ABC):
         result = self._submitted.popleft()
         if isinstance(result, Exception):
             raise result
-        return result
+        return result.get() if isinstance(result, AsyncModelRunnerOutput) else result
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker is gone."""

@@ -9,6 +9,7 @@ import numpy as np
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.executor.abstract import Executor
+from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunnerOutput
 from pagellm.worker.worker import Worker
 
@@ -22,7 +23,8 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
-    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> ModelRunnerOutput:
+    def execute_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None
+                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         # The forward pass runs on this thread while the bitmask is computed on the structured-output manager's.
         result = self.worker.execute_model(output)
         return result if result is not None else self.worker.sample_tokens(GrammarOutput.from_future(bitmask))

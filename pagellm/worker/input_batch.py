@@ -48,6 +48,8 @@ class BatchedRequest:
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     num_samples: int = 1
+    # Async scheduling: token_ids[-1] is a placeholder for the token the previous batch sampled (see ModelRunner).
+    pending_token: bool = False
     # Structured outputs: this step's packed row of the tokens the sequence may sample (see GrammarOutput in
     # core/sched_output.py), attached once the bitmask has come.
     grammar_bitmask: np.ndarray | None = None
@@ -80,11 +82,17 @@ class InputBatch:
                 state.block_ids = list(scheduled.new_block_ids)
             else:
                 state.block_ids += scheduled.new_block_ids
-            start = scheduled.num_computed_tokens
+            start, end = scheduled.num_computed_tokens, scheduled.num_computed_tokens + scheduled.num_tokens
+            token_ids = state.all_token_ids[start:end]
+            if len(token_ids) != scheduled.num_tokens - scheduled.pending_token:
+                raise RuntimeError(f"Request {state.request_id}: the worker has {len(state.all_token_ids)} tokens, "
+                                   f"the step computes up to {end} (pending token: {scheduled.pending_token}).")
+            if scheduled.pending_token:
+                token_ids.append(0)
             batch.append(BatchedRequest(
-                state.request_id, state.all_token_ids[start:start + scheduled.num_tokens], start, state.block_ids,
-                state.sampling_params, scheduled.needs_sample, state.prompt_token_ids, state.output_token_ids,
-                state.eos_token_ids, state.bad_words_token_ids, scheduled.num_samples))
+                state.request_id, token_ids, start, state.block_ids, state.sampling_params, scheduled.needs_sample,
+                state.prompt_token_ids, state.output_token_ids, state.eos_token_ids, state.bad_words_token_ids,
+                scheduled.num_samples, scheduled.pending_token))
         return batch
 
 

@@ -9,6 +9,11 @@ A request whose own work fails (its prompt logprobs, its sampling parameters) is
 request's rows are sampled alone (seeded generators rewound first, so greedy and seeded requests get exactly the
 tokens the batch would have given them) to find the one that breaks it.
 
+With async scheduling (see core/async_scheduling.py) a step may be prepared before the previous step's sampled
+tokens reach the host: a sequence whose input is such a token gets it from that step's sampled tokens on the
+device, and the step's own output is an `AsyncModelRunnerOutput` whose tokens are copied to the host behind its
+kernels.
+
 A step with sequences that sample under a grammar is run in two calls on the rank that samples (vLLM's split):
 `execute_model` runs the forward pass and keeps the logits, while the engine computes the grammar bitmask;
 `sample_tokens` masks the constrained rows with it and samples. Other ranks never sample (their results are not
@@ -29,6 +34,7 @@ from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillCh
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
+from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs
 from pagellm.worker.input_batch import BatchedRequest, InputBatch, attach_grammar_bitmask
 from pagellm.worker.sampling_inputs import build_sampling_tensors
@@ -64,6 +70,8 @@ class ModelInputs:
     sampled: list[BatchedRequest]  # one per logits row, in order (repeated for num_samples > 1)
     # (request, flat index of its first token this step): prefill chunks whose prompt logprobs are wanted
     prompt_logprobs: list[tuple[BatchedRequest, int]] = field(default_factory=list)
+    # Async scheduling: requests whose pending input token the previous step did not sample (its sampling failed)
+    missing_pending: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -79,11 +87,14 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device,
-                 samples: bool = True) -> None:
+                 samples: bool = True, async_output: bool = False) -> None:
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.samples = samples  # False on ranks whose results nobody reads: they stop after the logits
+        self.async_output = async_output  # return AsyncModelRunnerOutput (async scheduling)
+        # The last step's sampled tokens on the device, and each request's row in them (its first sample).
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # The step whose sampling waits for its grammar bitmask, with the constrained request ids.
         self._awaiting_grammar: tuple[ForwardResult, list[str]] | None = None
         self.model = None
@@ -110,6 +121,7 @@ class ModelRunner:
         """Drop every sequence's state (after the profiling run)."""
         self.input_batch = InputBatch()
         self.generators.clear()
+        self._last_sampled = None
 
     def weight_bytes(self) -> int:
         """Bytes of the weight matrices as stored (packed or float): what one decode step streams from memory."""
@@ -161,8 +173,25 @@ class ModelRunner:
         prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]
-        return ModelInputs(self._to_device(input_ids), self._to_device(positions), meta,
-                           self._to_device(logits_indices), [ordered[i] for i in sampled_rows], prompt_logprobs)
+        input_ids_on_device = self._to_device(input_ids)
+        pending = [i for i, r in enumerate(ordered) if r.pending_token]
+        missing = self._fill_pending_tokens(input_ids_on_device, [ordered[i].request_id for i in pending],
+                                            starts[pending] + query_lens[pending] - 1) if pending else []
+        return ModelInputs(input_ids_on_device, self._to_device(positions), meta, self._to_device(logits_indices),
+                           [ordered[i] for i in sampled_rows], prompt_logprobs, missing)
+
+    def _fill_pending_tokens(self, input_ids: torch.Tensor, request_ids: list[str],
+                             flat_indices: np.ndarray) -> list[str]:
+        """Async scheduling: copy the tokens the previous step sampled for these requests into their input slots,
+        on the device (the host does not have them yet). Returns the requests the previous step sampled nothing
+        for (their sampling failed there; they fail here too, and their slot keeps a placeholder)."""
+        tokens, rows = self._last_sampled or (None, {})
+        found = [(i, rows[rid]) for i, rid in zip(flat_indices.tolist(), request_ids) if rid in rows]
+        if found:
+            destinations, sources = zip(*found)
+            index = self._to_device(np.array(sources, dtype=np.int64))
+            input_ids[self._to_device(np.array(destinations, dtype=np.int64))] = tokens[index].to(input_ids.dtype)
+        return [rid for rid in request_ids if rid not in rows]
 
     def sampling_tensors(self, requests: list[BatchedRequest]) -> SamplingTensors:
         return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, self.generators)
@@ -189,7 +218,7 @@ class ModelRunner:
 
     # ---- execution ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """Run the step and sample; None when this rank samples sequences under a grammar: their bitmask is still
         being computed, and `sample_tokens` finishes the step."""
         for request_id in output.finished_req_ids:
@@ -204,7 +233,7 @@ class ModelRunner:
         if hidden is None:  # a pipeline stage before the last: it sent its activations on, the last one samples
             return ModelRunnerOutput({}, phase_seconds={"prepare_inputs": prepared - start,
                                                         "forward": time.perf_counter() - prepared})
-        failed: dict[str, str] = {}
+        failed = dict.fromkeys(inputs.missing_pending, "The previous step sampled no token for this request.")
         prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs, failed) if inputs.prompt_logprobs else {}
         # Every tensor-parallel rank computes the logits (they are gathered across the ranks).
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled else None
@@ -225,7 +254,7 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Finish the step `execute_model` left waiting: its constrained rows masked by `grammar`, then sampled. If
         the bitmask could not be computed, the constrained requests fail alone."""
         if self._awaiting_grammar is None:
@@ -238,32 +267,40 @@ class ModelRunner:
             attach_grammar_bitmask(step.sampled, request_ids, grammar.grammar_bitmask)
         return self._sample_step(step)
 
-    def _sample_step(self, step: ForwardResult) -> ModelRunnerOutput:
+    def _sample_step(self, step: ForwardResult) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         start = time.perf_counter()
-        rows = self._sample(step.logits, step.sampled, step.failed)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[LogprobsEntry]] = {}
-        for row in sorted(rows):  # row order keeps an n > 1 request's samples in sequence order
-            request_id = step.sampled[row].request_id
-            token, entry = rows[row]
-            sampled.setdefault(request_id, []).append(token)
-            if entry is not None:
-                logprobs.setdefault(request_id, []).append(entry)
+        rows, tokens, entries = self._sample(step.logits, step.sampled, step.failed)
+        row_of: dict[str, int] = {}
+        for i, row in enumerate(rows):
+            row_of.setdefault(step.sampled[row].request_id, i)
+        self._last_sampled = (tokens, row_of)
         phases = {**step.phase_seconds, "sample": time.perf_counter() - start}
-        return ModelRunnerOutput(sampled, logprobs, step.prompt_logprobs, step.failed, phases)
+
+        def finish(token_ids: list[int]) -> ModelRunnerOutput:
+            sampled: dict[str, list[int]] = {}
+            logprobs: dict[str, list[LogprobsEntry]] = {}
+            for row, token, entry in zip(rows, token_ids, entries):  # rows ascend: n > 1 samples stay in order
+                request_id = step.sampled[row].request_id
+                sampled.setdefault(request_id, []).append(token)
+                if entry is not None:
+                    logprobs.setdefault(request_id, []).append(entry)
+            return ModelRunnerOutput(sampled, logprobs, step.prompt_logprobs, step.failed, phases)
+
+        return AsyncModelRunnerOutput(tokens, finish) if self.async_output else finish(tokens.tolist())
 
     def _sample(self, logits: torch.Tensor, requests: list[BatchedRequest],
-                failed: dict[str, str]) -> dict[int, tuple[int, LogprobsEntry | None]]:
+                failed: dict[str, str]) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
         """Sample every logits row (one per entry of `requests`) of requests not in `failed`, in one batch; if
         that raises, sample each request's rows alone so that only the request that breaks sampling fails (it
-        goes into `failed`). Returns row -> (token, logprobs entry or None)."""
+        goes into `failed`). Returns the rows sampled (ascending), their tokens (on the device) and logprobs
+        entries (None where not asked for)."""
         by_request: dict[str, list[int]] = {}
         for row, request in enumerate(requests):
             if request.request_id not in failed:
                 by_request.setdefault(request.request_id, []).append(row)
         rows = [row for request_rows in by_request.values() for row in request_rows]
         if not rows:
-            return {}
+            return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
         # A lone request has nothing to isolate and nothing to rewind: no snapshot on that path.
         states = {} if len(by_request) == 1 else {
             rid: self.generators[rid].get_state() for rid in by_request if rid in self.generators}
@@ -272,7 +309,7 @@ class ModelRunner:
         except Exception as exc:
             if len(by_request) == 1:
                 _record_failure(failed, next(iter(by_request)), "Sampling", exc)
-                return {}
+                return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
         # Rewind seeded generators (and drop ones the failed call created) so the retries draw what they would
         # have drawn in the batch.
         for request_id in by_request:
@@ -280,17 +317,19 @@ class ModelRunner:
                 self.generators[request_id].set_state(states[request_id])
             else:
                 self.generators.pop(request_id, None)
-        results: dict[int, tuple[int, LogprobsEntry | None]] = {}
+        parts = []
         for request_id, request_rows in by_request.items():
             try:
-                results.update(self._sample_rows(logits, requests, request_rows))
+                parts.append(self._sample_rows(logits, requests, request_rows))
             except Exception as exc:
                 _record_failure(failed, request_id, "Sampling", exc)
-        return results
+        if not parts:
+            return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
+        return ([row for part in parts for row in part[0]], torch.cat([part[1] for part in parts]),
+                [entry for part in parts for entry in part[2]])
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[BatchedRequest],
-                     rows: list[int]) -> dict[int, tuple[int, LogprobsEntry | None]]:
+                     rows: list[int]) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
         subset = logits if len(rows) == len(requests) else logits[rows]
         out = self.sampler(subset, self.sampling_tensors([requests[row] for row in rows]))
-        entries = out.logprobs or [None] * len(rows)
-        return dict(zip(rows, zip(out.sampled.tolist(), entries)))
+        return rows, out.sampled, out.logprobs or [None] * len(rows)

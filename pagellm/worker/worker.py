@@ -12,6 +12,7 @@ from pagellm.core.sched_output import GrammarOutput, NewRequestData, ScheduledRe
 from pagellm.distributed.parallel_state import stage_layer_range
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagellm.worker.host_allocator import keep_large_allocations_on_heap
 from pagellm.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -51,7 +52,8 @@ class Worker:
         self.device = torch.device("cuda", gpu % torch.cuda.device_count()) if device.type == "cuda" else device
         # Only the rank whose result the engine reads samples.
         self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device,
-                                        samples=rank == parallel.output_rank)
+                                        samples=rank == parallel.output_rank,
+                                        async_output=config.scheduler_config.async_scheduling)
         self.cache_engine: CacheEngine | None = None
 
     def init_device(self) -> None:
@@ -120,7 +122,9 @@ class Worker:
                                                      list(range(next_block, next_block + num_blocks)), True))
             next_block += num_blocks
         self._attach_cache(next_block)
-        self.model_runner.execute_model(output)
+        result = self.model_runner.execute_model(output)
+        if isinstance(result, AsyncModelRunnerOutput):
+            result.get()
         self.model_runner.forget_requests()
         self.cache_engine = None
         self.model_runner.kv_caches = []
@@ -182,8 +186,9 @@ class Worker:
                                         num_host_blocks, self.tensor_parallel_size, self.num_layers)
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run the step; None when its sampling waits for the grammar bitmask (then call `sample_tokens`)."""
+    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        """Run the step; None when its sampling waits for the grammar bitmask (then call `sample_tokens`); with
+        async scheduling the output's tokens may still be on their way from the device."""
         # The order SchedulerOutput prescribes: a block evicted to the host this step may be reused by a swap-in
         # or a copy in the same step.
         self.cache_engine.swap_out(output.blocks_to_swap_out)
@@ -192,6 +197,6 @@ class Worker:
             self.cache_engine.copy_blocks(output.blocks_to_copy)
         return self.model_runner.execute_model(output)
 
-    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Sample the step `execute_model` left waiting for its grammar bitmask."""
         return self.model_runner.sample_tokens(grammar)

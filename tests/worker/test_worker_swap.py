@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagellm.config import CacheConfig, ModelConfig, ParallelConfig
+from pagellm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.executor.uniproc_executor import UniProcExecutor
@@ -27,7 +27,7 @@ def make_worker(swap_space_bytes: int = 0, dtype: torch.dtype = torch.bfloat16) 
                                dtype=dtype, max_model_len=64, max_logprobs=0)
     cache_config = CacheConfig(block_size=16, swap_space_bytes=swap_space_bytes)
     config = SimpleNamespace(model_config=model_config, cache_config=cache_config,
-                             device_config=SimpleNamespace(device=torch.device("cpu")),
+                             scheduler_config=SchedulerConfig(max_model_len=64), device_config=SimpleNamespace(device=torch.device("cpu")),
                              parallel_config=ParallelConfig())
     return Worker(config)
 

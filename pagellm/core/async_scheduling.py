@@ -1,0 +1,39 @@
+"""Async scheduling (`--async-scheduling`): the engine schedules and submits batch N+1 while batch N still runs, so
+the accelerator never waits for the CPU to apply N's results and prepare N+1 (MISSION.md section 3; vLLM's
+`--async-scheduling`).
+
+A request in batch N may go into N+1 when what it computes next does not depend on N's results. The next chunk of a
+prompt never does. A decode does only through the token N samples: N+1 computes it blind (the worker takes it from
+N's sampled tokens on the device), unless the token decides more than its own K/V. It does for beams (the group
+picks the next tokens), grammars (N+1's bitmask needs the grammar advanced by it), the first sample of an n > 1
+request (it forks), penalties, bad words and min_tokens not yet reached (the sampler reads the output tokens, whose
+last one the worker does not have yet). Such a request waits for N, and the engine then collects N before
+scheduling (no batch leaves it behind). If N's token ends the request (EOS, a stop token or string), N+1's work for
+it is dropped: one token's compute, where a synchronous step would have waited for the CPU.
+"""
+from __future__ import annotations
+
+from pagellm.core.request import Request
+from pagellm.core.sched_output import ScheduledRequest
+
+
+def may_sample_blind(request: Request, flight: ScheduledRequest) -> bool:
+    """Whether the request's next step may run before the token its batch in flight samples is known here."""
+    params = request.sampling_params
+    return (flight.num_samples == 1 and request.beam_group is None and request.structured_output_request is None
+            and not params.needs_penalties and not request.bad_words_token_ids
+            and request.num_output_tokens >= params.min_tokens)
+
+
+def tokens_after_flight(request: Request, flight: ScheduledRequest, max_model_len: int) -> int | None:
+    """Tokens the request could compute in the next batch while `flight`, its part of a batch still running, is out
+    (before the token budget): 0 when it has none (the token in flight is its last by length), None when it must
+    wait for that batch's results."""
+    computed = flight.num_computed_tokens + flight.num_tokens
+    if not flight.needs_sample:
+        return request.num_tokens - computed  # the prompt's next chunk
+    if request.num_output_tokens + 1 >= request.max_tokens or request.num_tokens + 1 >= max_model_len:
+        return 0
+    if not may_sample_blind(request, flight):
+        return None
+    return request.num_tokens + 1 - computed  # the sampled token, computed blind

@@ -1,0 +1,164 @@
+"""Async scheduling in the scheduler, driven by hand: batch N+1 is scheduled before batch N's results are applied
+(see core/async_scheduling.py). Checked: which requests continue blind and where they continue, the worker's view
+of their tokens (built from the diffs alone), results applied in order, requests that end in N, no block leaks."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_scheduler import EOS, TOKEN, blocks_of, ids, make_request
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.beam_group import BeamGroup
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import RequestStatus
+from pagellm.core.scheduler import Scheduler
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.worker.input_batch import InputBatch
+
+
+def make_async_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
+                         async_scheduling: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                             async_scheduling=async_scheduling)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
+
+
+def sampled_for(out, tokens: dict[str, int] | None = None) -> dict[str, list[int]]:
+    tokens = tokens or {}
+    return {s.request_id: [tokens.get(s.request_id, TOKEN)] * s.num_samples for s in out.scheduled if s.needs_sample}
+
+
+def with_params(request, **changes):
+    request.sampling_params = dataclasses.replace(request.sampling_params, **changes)
+    return request
+
+
+def test_a_decode_continues_blind_after_the_token_in_flight():
+    sched = make_async_scheduler(block_size=4)
+    sched.add_request(make_request("r", prompt_len=3, max_tokens=10))
+    worker = InputBatch()
+    first = sched.schedule()
+    assert [(s.num_computed_tokens, s.num_tokens, s.pending_token) for s in first.scheduled] == [(0, 3, False)]
+    worker.update(first)
+    assert sched.can_schedule_ahead()
+    second = sched.schedule()  # the first is still out: the prompt's position 3 holds the token it samples
+    (scheduled,) = second.scheduled
+    assert (scheduled.num_computed_tokens, scheduled.num_tokens, scheduled.pending_token) == (3, 1, True)
+    assert scheduled.new_token_ids == [] and scheduled.needs_sample
+    # Position 3 is the first block's last slot; the second batch's sample (position 4) needs no block yet.
+    assert len(blocks_of(sched, "r")) == 1
+    (batched,) = worker.update(second)
+    assert batched.pending_token and batched.token_ids == [0] and batched.num_computed_tokens == 3
+    sched.update_from_output(first, sampled_for(first, {"r": 11}))
+    third = sched.schedule()  # the second is out: position 4 holds its sample, in a new block
+    assert [(s.num_computed_tokens, s.num_tokens, s.pending_token, s.new_token_ids) for s in third.scheduled] == [
+        (4, 1, True, [11])]
+    assert len(blocks_of(sched, "r")) == 2 and third.scheduled[0].new_block_ids == blocks_of(sched, "r")[1:]
+    (batched,) = worker.update(third)
+    assert worker.requests["r"].all_token_ids == [100, 101, 102, 11]  # the worker lags by the token in flight
+    sched.update_from_output(second, sampled_for(second, {"r": 12}))
+    sched.update_from_output(third, sampled_for(third, {"r": 13}))
+    request = sched.requests["r"]
+    assert request.output_token_ids == [11, 12, 13] and request.num_computed_tokens == 5
+    sched.check_consistency()
+
+
+def test_without_async_scheduling_a_request_in_flight_waits():
+    sched = make_async_scheduler(async_scheduling=False)
+    sched.add_request(make_request("r"))
+    sched.schedule()
+    assert sched.schedule().is_empty
+
+
+def test_prompt_chunks_follow_each_other_without_waiting():
+    sched = make_async_scheduler(max_num_batched_tokens=4)
+    sched.add_request(make_request("r", prompt_len=10))
+    chunks = [sched.schedule() for _ in range(3)]
+    assert [(s.num_computed_tokens, s.num_tokens, s.needs_sample, s.pending_token)
+            for out in chunks for s in out.scheduled] == [(0, 4, False, False), (4, 4, False, False),
+                                                          (8, 2, True, False)]
+
+
+@pytest.mark.parametrize("kind", ["penalty", "bad_words", "min_tokens", "n", "beam"])
+def test_requests_whose_next_step_depends_on_the_token_wait_for_it(kind):
+    """Penalties, bad words and min_tokens read the output tokens; the first sample of n > 1 forks; beams advance
+    as a group: none of them continues blind, and the engine collects first (can_schedule_ahead is False)."""
+    sched = make_async_scheduler()
+    request = make_request("r", max_tokens=8)
+    if kind == "penalty":
+        with_params(request, repetition_penalty=1.2)
+    elif kind == "bad_words":
+        request.bad_words_token_ids = [[5]]
+    elif kind == "min_tokens":
+        with_params(request, min_tokens=3)
+    elif kind == "n":
+        with_params(request, n=2, temperature=1.0, seed=0)
+    sched.add_request(request, BeamGroup("r", BeamSearchParams(beam_width=2, max_tokens=4), frozenset()) if kind == "beam"
+                      else None)
+    sched.add_request(make_request("plain", max_tokens=8))
+    sched.schedule()
+    assert not sched.can_schedule_ahead()
+    assert ids(sched.schedule().scheduled) == ["plain"]  # what the engine would not ask for: r stays behind
+
+
+def test_min_tokens_reached_continues_blind():
+    sched = make_async_scheduler()
+    sched.add_request(with_params(make_request("r", max_tokens=8), min_tokens=1))
+    first = sched.schedule()
+    sched.update_from_output(first, sampled_for(first))  # one output token: min_tokens is met from now on
+    sched.schedule()
+    assert sched.can_schedule_ahead() and ids(sched.schedule().scheduled) == ["r"]
+
+
+def test_a_request_whose_token_in_flight_is_its_last_is_not_scheduled_again():
+    sched = make_async_scheduler()
+    sched.add_request(make_request("r", max_tokens=1))
+    first = sched.schedule()
+    assert sched.can_schedule_ahead() and sched.schedule().is_empty
+    sched.update_from_output(first, sampled_for(first))
+    assert sched.requests == {} and sched.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def test_eos_in_flight_drops_the_blind_step_and_frees_every_block():
+    sched = make_async_scheduler(block_size=2)
+    sched.add_request(make_request("r", prompt_len=4, max_tokens=10))
+    sched.add_request(make_request("s", prompt_len=3, max_tokens=10))
+    first = sched.schedule()
+    second = sched.schedule()
+    assert ids(second.scheduled) == ["r", "s"]
+    _, finished = sched.update_from_output(first, sampled_for(first, {"r": EOS}))
+    assert ids(finished) == ["r"] and sched.requests["s"].output_token_ids == [TOKEN]
+    third = sched.schedule()
+    assert ids(third.scheduled) == ["s"] and "r" in third.finished_req_ids
+    updated, _ = sched.update_from_output(second, sampled_for(second))  # r's blind token is dropped
+    assert ids(updated) == ["s"] and "r" not in sched.requests
+    sched.update_from_output(third, sampled_for(third, {"s": EOS}))
+    assert not sched.has_unfinished_requests() and not sched.in_flight
+    assert sched.kv_cache_manager.block_pool.num_used_blocks == 0
+    sched.check_consistency()
+
+
+def test_a_request_in_flight_is_never_preempted_and_a_full_pool_makes_it_wait():
+    """The pool is full and the only candidates are in flight: the blind step is not scheduled (nobody may be
+    preempted), and once the batch is back the usual preemption applies."""
+    sched = make_async_scheduler(num_blocks=2, block_size=4)
+    sched.add_request(make_request("a", prompt_len=4, max_tokens=10))
+    sched.add_request(make_request("b", prompt_len=4, max_tokens=10))
+    first = sched.schedule()
+    assert ids(first.scheduled) == ["a", "b"]
+    assert sched.schedule().is_empty  # position 4 of each needs a third block
+    sched.update_from_output(first, sampled_for(first))
+    after = sched.schedule()
+    assert ids(after.scheduled) == ["a"] and after.preempted_req_ids == ["b"]
+    sched.check_consistency()
+
+
+def test_an_abort_in_flight_ignores_both_late_results():
+    sched = make_async_scheduler()
+    sched.add_request(make_request("r", max_tokens=10))
+    first, second = sched.schedule(), sched.schedule()
+    sched.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    assert sched.update_from_output(first, sampled_for(first)) == ([], [])
+    assert sched.update_from_output(second, sampled_for(second)) == ([], [])
+    assert not sched.in_flight and sched.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -1,0 +1,68 @@
+"""The engine loop under `--async-scheduling` (tiny random Llama): a failure in batch N whose request already
+continues in batch N+1 fails that request alone; a request that must wait for its results (penalties here) is
+never left a step behind, the engine collecting first; the flag is refused where it cannot work."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fault_isolation import PARAMS, fail_sampling_of, run, used_blocks
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory) -> LLMEngine:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLMEngine.from_engine_args(EngineArgs(model=tiny_model_factory("llama"), max_model_len=128,
+                                                kv_cache_memory_bytes=2 << 20, async_scheduling=True))
+    torch.set_num_threads(previous)
+
+
+def record_batches(engine: LLMEngine, monkeypatch) -> list[tuple[int, list[str], int]]:
+    """(batches in flight once submitted, request ids, sequences continuing blind) of every batch submitted."""
+    core, batches = engine.engine_core, []
+    submit = core.executor.submit_model
+
+    def recording(output, bitmask=None):
+        batches.append((len(core._in_flight) + 1, [s.request_id for s in output.scheduled],
+                        sum(s.pending_token for s in output.scheduled)))
+        return submit(output, bitmask)
+
+    monkeypatch.setattr(core.executor, "submit_model", recording)
+    return batches
+
+
+def test_a_sampling_failure_fails_alone_while_its_next_step_is_in_flight(engine, monkeypatch):
+    expected, failures = run(engine, PARAMS)
+    assert not failures
+    batches = record_batches(engine, monkeypatch)
+    fail_sampling_of(monkeypatch, engine, "bad")
+    tokens, failures = run(engine, PARAMS)
+    assert list(failures) == ["bad"] and "injected sampling fault" in failures["bad"]
+    expected.pop("bad")
+    assert tokens == expected
+    # "bad" was already in the next batch, continuing blind, when its sampling failed.
+    assert any(depth == 2 and "bad" in request_ids for depth, request_ids, _ in batches)
+    assert used_blocks(engine) == 0 and not engine.engine_core.scheduler.in_flight
+    engine.engine_core.scheduler.check_consistency()
+
+
+def test_a_request_that_must_wait_for_its_token_is_never_left_behind(engine, monkeypatch):
+    batches = record_batches(engine, monkeypatch)
+    engine.add_request("plain", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request("penalized", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                       frequency_penalty=0.5))
+    _, failures = run(engine, [])
+    assert not failures
+    # Both in every batch, one batch per token: the engine collected each batch before scheduling the next.
+    assert [request_ids for _, request_ids, _ in batches] == [["plain", "penalized"]] * 8
+    assert {depth for depth, _, _ in batches} == {1}
+
+
+def test_async_scheduling_needs_one_rank_in_this_process(tiny_model_factory):
+    args = EngineArgs(model=tiny_model_factory("llama"), async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--async-scheduling works with one rank"):
+        args.create_engine_config()
