@@ -25,7 +25,7 @@ def attention_backend() -> str | None:
 
 
 def api_key() -> str | None:
-    """PAGELLM_API_KEY: the key `pagellm serve` requires (as `Authorization: Bearer ...`) when --api-key is not given."""
+    """PAGELLM_API_KEY: the key `pagellm serve` requires (as `Authorization: Bearer ...`) without --api-key."""
     return os.environ.get("PAGELLM_API_KEY") or None
 
 

@@ -174,8 +174,8 @@ class EngineArgs:
         parser.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.quantize_activations,
                             help="round activations to int8 per block before multiplying with packed weights, in "
-                                 "K-quant matmuls and matmuls of up to 48 rows of the other types (llama.cpp's arithmetic): faster, "
-                                 "no longer exact")
+                                 "K-quant matmuls and matmuls of up to 48 rows of the other types (llama.cpp's "
+                                 "arithmetic): faster, no longer exact")
         parser.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
                             help="CUDA: run decode steps eagerly, without capturing CUDA graphs")
         parser.add_argument("--async-scheduling", action="store_true", default=EngineArgs.async_scheduling,

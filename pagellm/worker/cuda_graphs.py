@@ -126,7 +126,8 @@ class DecodeGraphs:
         """The captured batch size a step of `num_decodes` decodes pads to, or None (it runs eagerly)."""
         return next((b for b in self.buckets if b >= num_decodes and b in self._replays), None)
 
-    def run(self, batch: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, batch: int, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states of a decode-only step's `meta.num_decodes` rows, through the graph of `batch`."""
         n, width = meta.num_decodes, meta.decode_block_tables.shape[1]
         self.input_ids[:n] = input_ids

@@ -13,7 +13,7 @@ from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import RequestStatus
 from pagellm.core.scheduler import Scheduler
-from pagellm.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.sampling_params import BeamSearchParams
 from pagellm.worker.input_batch import InputBatch
 
 
@@ -94,8 +94,8 @@ def test_requests_whose_next_step_depends_on_the_token_wait_for_it(kind):
         with_params(request, min_tokens=3)
     elif kind == "n":
         with_params(request, n=2, temperature=1.0, seed=0)
-    sched.add_request(request, BeamGroup("r", BeamSearchParams(beam_width=2, max_tokens=4), frozenset()) if kind == "beam"
-                      else None)
+    beams = BeamGroup("r", BeamSearchParams(beam_width=2, max_tokens=4), frozenset()) if kind == "beam" else None
+    sched.add_request(request, beams)
     sched.add_request(make_request("plain", max_tokens=8))
     sched.schedule()
     assert not sched.can_schedule_ahead()
