@@ -7,7 +7,8 @@ remaining steps (generation of 1 + output_len tokens minus generation of 1). lla
 as `llama-bench`: fixed tokens fed back, no sampling), and at float32 on an F32 GGUF written here with the `gguf`
 package from the same weights.
 Each figure is also printed against the machine's own limits, measured here: the memory bandwidth bounds
-decode (every weight byte is read once per step) and the matmul peak bounds prefill.
+decode (every weight byte is read once per step, and every sequence's cached K/V, as that backend stores them: at
+the mean context of the decode steps) and the matmul peak bounds prefill.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 
 from pagellm.benchmarks.llama_cpp_peer import require_binding
-from pagellm.benchmarks.machine import memory_bandwidth, model_flops, peak_matmul_flops
+from pagellm.benchmarks.machine import kv_bytes_per_token, memory_bandwidth, model_flops, peak_matmul_flops
+
+LLAMA_CPP_KV_BYTES = 2  # llama.cpp's default KV cache type, F16 (the peer does not change it)
 
 BACKENDS = ("pagellm", "hf", "llama.cpp", "llama.cpp-f32")
 
@@ -38,6 +41,7 @@ class LatencyResult:
     prefill_tok_s: float
     decode_tok_s: float
     weight_bytes: int  # bytes streamed per decode step (the weights, as that backend stores them)
+    kv_bytes_per_token: int  # bytes of K/V per cached token, as that backend stores them
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +90,10 @@ def bench_pagellm(llm, prompts: list[list[int]], output_len: int, repeats: int, 
         timings.reset()
         run(1 + output_len)
         print(f"  pagellm step split, batch {len(prompts)} (prefill step included): {timings.report()}")
+    config = llm.llm_engine.config.model_config
     weight_bytes = llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0]
-    return _result("pagellm", prompts, output_len, prefill, decode, weight_bytes)
+    return _result("pagellm", prompts, output_len, prefill, decode, weight_bytes,
+                   kv_bytes_per_token(config.hf_config, config.dtype.itemsize))
 
 
 def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> LatencyResult:
@@ -105,10 +111,12 @@ def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> 
     run(2)
     prefill, decode = _best_of(repeats, run, output_len)
     weight_bytes = sum(p.nbytes for p in model.parameters() if p.dim() == 2)
-    return _result("transformers", prompts, output_len, prefill, decode, weight_bytes)
+    return _result("transformers", prompts, output_len, prefill, decode, weight_bytes,
+                   kv_bytes_per_token(model.config, model.dtype.itemsize))
 
 
-def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: int, repeats: int) -> LatencyResult:
+def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: int, repeats: int,
+                    hf_config) -> LatencyResult:
     import gguf
 
     require_binding()
@@ -117,14 +125,22 @@ def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: i
                "--threads", str(torch.get_num_threads())]
     seconds = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2)
-    return _result(name, [prompt], output_len, seconds["prefill_seconds"], seconds["decode_seconds"], weight_bytes)
+    return _result(name, [prompt], output_len, seconds["prefill_seconds"], seconds["decode_seconds"], weight_bytes,
+                   kv_bytes_per_token(hf_config, LLAMA_CPP_KV_BYTES))
 
 
 def _result(backend: str, prompts: list[list[int]], output_len: int, prefill: float, decode: float,
-            weight_bytes: int) -> LatencyResult:
+            weight_bytes: int, kv_bytes: int) -> LatencyResult:
     batch = len(prompts)
     return LatencyResult(backend, batch, batch * len(prompts[0]) / prefill, batch * output_len / decode,
-                         weight_bytes)
+                         weight_bytes, kv_bytes)
+
+
+def decode_step_bytes(result: LatencyResult, input_len: int, output_len: int) -> float:
+    """Bytes a decode step reads at least: the weights once, and each sequence's cached K/V at the mean context of
+    the decode steps (the step computing token input_len + j attends to input_len + j of them, j = 1..output_len)."""
+    mean_context = input_len + (output_len + 1) / 2
+    return result.weight_bytes + result.batch_size * mean_context * result.kv_bytes_per_token
 
 
 def f32_gguf(source: Path) -> Path:
@@ -194,18 +210,22 @@ def run(args: argparse.Namespace) -> None:
         if batch == 1 and model_config.gguf_file:
             source = Path(model_config.gguf_file)
             if "llama.cpp" in args.backends:
-                results.append(bench_llama_cpp("llama.cpp", source, prompts[0], args.output_len, args.repeats))
+                results.append(bench_llama_cpp("llama.cpp", source, prompts[0], args.output_len, args.repeats,
+                                               model_config.hf_config))
             if "llama.cpp-f32" in args.backends:
                 f32 = f32_gguf(source)
-                results.append(bench_llama_cpp("llama.cpp F32", f32, prompts[0], args.output_len, args.repeats))
+                results.append(bench_llama_cpp("llama.cpp F32", f32, prompts[0], args.output_len, args.repeats,
+                                               model_config.hf_config))
     flops_per_token = model_flops(model_config.hf_config, args.input_len, 1) / args.input_len
     print(f"\n{'backend':>16} {'batch':>5} {'prefill tok/s':>14} {'% of peak':>9} {'decode tok/s':>13} "
-          f"{'weights MB':>10} {'% of bandwidth':>14}")
+          f"{'weights MB':>10} {'KV MB/step':>10} {'% of bandwidth':>14}")
     for r in results:
-        decode_limit = r.batch_size * bandwidth / r.weight_bytes
+        step_bytes = decode_step_bytes(r, args.input_len, args.output_len)
+        decode_limit = r.batch_size * bandwidth / step_bytes
         print(f"{r.backend:>16} {r.batch_size:>5} {r.prefill_tok_s:>14.1f} "
               f"{100 * r.prefill_tok_s * flops_per_token / peak:>8.1f}% {r.decode_tok_s:>13.1f} "
-              f"{r.weight_bytes / 1e6:>10.1f} {100 * r.decode_tok_s / decode_limit:>13.1f}%")
+              f"{r.weight_bytes / 1e6:>10.1f} {(step_bytes - r.weight_bytes) / 1e6:>10.1f} "
+              f"{100 * r.decode_tok_s / decode_limit:>13.1f}%")
     base = {r.batch_size: r for r in results if r.backend == "pagellm"}
     for r in results:
         if r.backend != "pagellm" and r.batch_size in base:

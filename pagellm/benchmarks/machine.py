@@ -43,6 +43,14 @@ def memory_bandwidth(device: torch.device = torch.device("cpu"), num_bytes: int 
     return best
 
 
+def kv_bytes_per_token(hf_config, element_bytes: int) -> int:
+    """Bytes of K and V one cached token holds over all layers, at `element_bytes` per value."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * element_bytes
+
+
 def model_flops(hf_config, prompt_len: int, output_len: int) -> float:
     """Matmul FLOPs a request needs at minimum: projections for every computed token, attention over its
     context, and the LM head only where a token is sampled."""

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
             results.append(bench_hf(hf_model, prompts, args.output_len, args.repeats))
         if "llama.cpp" in args.backends and c == 1 and model_config.gguf_file:
             results.append(bench_llama_cpp("llama.cpp", Path(model_config.gguf_file), prompts[0], args.output_len,
-                                           args.repeats))
+                                           args.repeats, model_config.hf_config))
         for result in results:
             rows.append(row(result, args.input_len, args.output_len))
             print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)

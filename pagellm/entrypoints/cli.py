@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     random_gguf_bench.add_cli_args(random_gguf)
     random_gguf.set_defaults(handler=random_gguf_bench.run)
+    random_checkpoint = bench.add_parser("random-checkpoint", help="write a random-weight Hugging Face Llama "
+                                         "checkpoint of a real model's shapes (for bench latency --model on a GPU)")
+    from pagellm.benchmarks import random_checkpoint as random_checkpoint_bench
+
+    random_checkpoint_bench.add_cli_args(random_checkpoint)
+    random_checkpoint.set_defaults(handler=random_checkpoint_bench.run)
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
     from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
 

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -51,10 +52,23 @@ def test_sweep_writes_csv_and_png(tiny_model_factory, tmp_path):
 
 def test_sweep_row_maths():
     # 4 requests, 100 prompt tokens in 2 s (200 tok/s), 50 output tokens each in 5 s (40 tok/s).
-    r = row(LatencyResult("x", 4, prefill_tok_s=200.0, decode_tok_s=40.0, weight_bytes=1), 100, 50)
+    r = row(LatencyResult("x", 4, prefill_tok_s=200.0, decode_tok_s=40.0, weight_bytes=1, kv_bytes_per_token=0),
+            100, 50)
     assert r["total_tok_s"] == pytest.approx(4 * 150 / 7, abs=0.01)
     assert r["output_tok_s"] == pytest.approx(4 * 50 / 7, abs=0.01)
     assert r["tpot_ms"] == pytest.approx(100.0)
+
+
+def test_decode_roofline_counts_weights_and_every_sequence_s_kv_reads():
+    from pagellm.benchmarks.latency import decode_step_bytes
+    from pagellm.benchmarks.machine import kv_bytes_per_token
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> K and V in float32 are 2 * 30 * 3 * 64 * 4 bytes per token.
+    config = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert kv_bytes_per_token(config, 4) == 46080 and kv_bytes_per_token(config, 2) == 23040
+    result = LatencyResult("x", 8, prefill_tok_s=1.0, decode_tok_s=1.0, weight_bytes=10**6, kv_bytes_per_token=100)
+    # Decode steps attend to 129..132 cached tokens for input 128, output 4: 130.5 on average, per sequence.
+    assert decode_step_bytes(result, 128, 4) == 10**6 + 8 * 130.5 * 100
 
 
 def test_f32_gguf_keeps_metadata_and_dequantizes_every_tensor(tmp_path):
@@ -194,10 +208,12 @@ def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
     writer.write_tensors_to_file()
     writer.close()
 
-    result = bench_llama_cpp("llama.cpp", model, list(range(100)), output_len=20, repeats=1)
+    hf_config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+    result = bench_llama_cpp("llama.cpp", model, list(range(100)), output_len=20, repeats=1, hf_config=hf_config)
     assert 100 / 0.011 * 0.3 < result.prefill_tok_s <= 100 / 0.011  # one eval of 100 tokens: 11 ms
     assert 20 / (20 * 0.0011) * 0.3 < result.decode_tok_s <= 1 / 0.0011  # one eval per token: 1.1 ms
     assert result.weight_bytes == 4 * 32 * 4
+    assert result.kv_bytes_per_token == 2 * 2 * 2 * 8 * 2  # K and V, 2 layers, 2 KV heads of 8, F16
 
     served = run_llama_cpp(str(model), [BenchRequest(list(range(50)), 10), BenchRequest(list(range(30)), 5)])
     # batched: both prompts in one decode (80 tokens), then 4 steps of two sequences and 5 of one
