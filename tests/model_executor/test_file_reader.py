@@ -1,12 +1,14 @@
-"""Weight files read whole or mapped: the same bytes, and a mapped file costs a rank only the pages it touches."""
+"""Weight files read whole or mapped: the same bytes, and a mapped file costs a rank only the pages it touches; a file
+that one read does not return whole (over ~2 GiB on Linux) is read in several."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
-from pagellm.model_executor.model_loader.file_reader import read_file
+from pagellm.model_executor.model_loader.file_reader import read_file, read_into
 
 FILE_BYTES = 64 << 20
 SLICE_BYTES = 1 << 20
@@ -36,3 +38,34 @@ def test_mapped_equals_read_and_touches_only_its_slice(tmp_path):
     # Copy-on-write: writing to the mapping never changes the file.
     mapped[:16] = 0
     assert path.read_bytes()[:16] == data[:16].numpy().tobytes()
+
+
+class ChunkedFile:
+    """An unbuffered file whose every read returns at most `chunk` bytes, as Linux caps one read at ~2 GiB."""
+
+    def __init__(self, path: Path, chunk: int) -> None:
+        self.f, self.chunk, self.reads = open(path, "rb", buffering=0), chunk, 0
+
+    def readinto(self, view) -> int:
+        self.reads += 1
+        return self.f.readinto(view[:self.chunk])
+
+
+def test_a_file_that_comes_in_several_reads_is_read_whole(tmp_path):
+    path = tmp_path / "weights.bin"
+    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    buffer = torch.empty(10_000, dtype=torch.uint8)
+    f = ChunkedFile(path, 3_000)
+    read_into(f, memoryview(buffer.numpy()), path)
+    f.f.close()
+    assert torch.equal(buffer, data) and f.reads == 4
+
+
+def test_a_file_shorter_than_expected_is_an_error(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(100))
+    f = ChunkedFile(path, 64)
+    with pytest.raises(OSError, match="Short read .* 100 of 200 bytes"):
+        read_into(f, memoryview(bytearray(200)), path)
+    f.f.close()

@@ -20,6 +20,16 @@ def read_file(path: str | os.PathLike, mapped: bool = False) -> torch.Tensor:
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buffer = torch.empty(size, dtype=torch.uint8)
-        if f.readinto(memoryview(buffer.numpy())) != size:
-            raise OSError(f"Short read from {path}.")
+        read_into(f, memoryview(buffer.numpy()), path)
     return buffer
+
+
+def read_into(f, view: memoryview, path: str | os.PathLike) -> None:
+    """Fill `view` from the unbuffered file `f`. One read returns at most ~2 GiB on Linux (a real model's 2.5 GB
+    safetensors file comes in two), so read until the view is full."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise OSError(f"Short read from {path}: {done} of {len(view)} bytes; the file changed while loading?")
+        done += n
