@@ -1,11 +1,18 @@
-"""Paged decode attention in Triton for CUDA: each query reads its sequence's K/V through its block table, in place.
+"""Paged attention in Triton for CUDA: each query reads its sequence's K/V through its block table, in place.
 
+Decode:
 One program handles one (sequence, kv head, split) triple: the query heads that share the kv head (GQA) are the
 rows of one `tl.dot`, so each K/V tile is read once for the whole group. The sequence's tokens are walked in
 tiles of BLOCK_N with an online softmax; a tile's tokens may span several cache blocks (each token looks up its
 own block), so any block size works. When there are too few (sequence, kv head) pairs to fill the GPU, the
 sequence is also split into partitions (flash-decoding) whose partial results a second kernel merges by their
 log-sum-exp.
+
+Prefill: every prompt chunk of a step in one launch, one program per (tile of BLOCK_M queries of one chunk, query
+head), walking the sequence's keys up to the tile's last query position (causal) through the block table. A later
+chunk of a chunked prefill, or a prompt whose prefix came from the cache, reads that context in place like its own
+fresh K/V, with no gathered copy. Products run in float32 as in decode (bf16 inputs on tensor cores would be faster
+for this compute-bound part; measuring that needs a GPU).
 
 Imported only where it runs: on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before
 this module is imported), which is how the tests check it on machines without a GPU.
@@ -139,4 +146,72 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     _merge_kernel[(batch, num_heads)](
         partial, lse, out, splits, *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=meta["DIM_PAD"], SPLITS_PAD=triton.next_power_of_2(splits))
+    return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, tile_chunks, tile_starts, query_starts, query_lens,
+                    context_lens, out_ptr, scale, stride_qt, stride_qh, stride_ch, stride_cb, stride_cs, stride_tb,
+                    stride_ot, stride_oh, block_size, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile, head = tl.program_id(0), tl.program_id(1)
+    chunk = tl.load(tile_chunks + tile)
+    first_row = tl.load(tile_starts + tile)
+    query_start = tl.load(query_starts + chunk)
+    query_len = tl.load(query_lens + chunk)
+    context_len = tl.load(context_lens + chunk)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DIM_PAD)
+    row_mask = rows < query_len
+    dim_mask = dims < HEAD_DIM
+    q_offsets = (query_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(tl.float32)
+    positions = context_len + rows  # query i of the chunk sits at position context_len + i and sees keys 0..that
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    cache_base = (head // GROUP).to(tl.int64) * stride_ch
+    end = tl.minimum(context_len + query_len, context_len + first_row + BLOCK_M)  # past the tile's last query
+    for start in range(0, end, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        blocks = tl.load(block_tables + chunk * stride_tb + tokens // block_size, mask=valid, other=0)
+        offsets = cache_base + blocks.to(tl.int64) * stride_cb + (tokens % block_size) * stride_cs
+        kv_mask = valid[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        # Token 0 is in every row's first tile, so no row is all -inf there.
+        scores = tl.where(valid[None, :] & (tokens[None, :] <= positions[:, None]), scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    out_offsets = (query_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
+                            context_lens: torch.Tensor, tile_chunks: torch.Tensor, tile_starts: torch.Tensor,
+                            scale: float, block_m: int) -> torch.Tensor:
+    """Every prefill chunk of a step in one launch, reading K/V (the chunk's own included, already written) through
+    the block tables. query [T, H, D]: the chunks' queries back to back, chunk c's at rows query_starts[c] ..
+    + query_lens[c], its first at position context_lens[c] of its sequence; block_tables [C, max_blocks]; one
+    program per (tile of `block_m` queries of one chunk: tile_chunks, tile_starts) and query head. Returns
+    [T, H, D] in the query's dtype."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    _prefill_kernel[(tile_chunks.shape[0], num_heads)](
+        query, key_cache, value_cache, block_tables, tile_chunks, tile_starts, query_starts, query_lens, context_lens,
+        out, scale, query.stride(0), query.stride(1), *key_cache.stride()[:3], block_tables.stride(0), out.stride(0),
+        out.stride(1), block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
     return out

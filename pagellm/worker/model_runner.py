@@ -30,7 +30,7 @@ import torch
 from pagellm.config import ModelConfig
 from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
-from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillChunk
+from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, attention_backend
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
@@ -161,15 +161,21 @@ class ModelRunner:
             decode_blocks = max(len(r.block_ids) for r in decodes)
             decode_tables = self._to_device(np.ascontiguousarray(block_table[:n, :decode_blocks]))
             decode_seq_lens = self._to_device(positions[:n] + 1)
+        # The Triton backend runs every chunk in one launch from a PrefillBatch; the others take one table per chunk.
+        batched = bool(prefills) and attention_backend(self.device.type, self.model_config.dtype) == "triton"
         chunks = [
             PrefillChunk(query_start=int(starts[i]), query_len=r.num_tokens, context_len=r.num_computed_tokens,
-                         block_ids=self._to_device(np.array(r.block_ids, dtype=np.int64)))
+                         block_ids=None if batched else self._to_device(np.array(r.block_ids, dtype=np.int64)))
             for i, r in enumerate(ordered) if i >= len(decodes)
         ]
+        prefill_batch = PrefillBatch.build(
+            block_table[len(decodes):], query_lens[len(decodes):], np.array([r.num_computed_tokens for r in prefills]),
+            self._to_device) if batched else None
         # n > 1: the same last-token logits row is sampled once per sequence.
         sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample for _ in range(r.num_samples)]
         logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1
-        meta = AttentionMetadata(self._to_device(slot_mapping), len(decodes), decode_tables, decode_seq_lens, chunks)
+        meta = AttentionMetadata(self._to_device(slot_mapping), len(decodes), decode_tables, decode_seq_lens, chunks,
+                                 prefill_batch)
         prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]

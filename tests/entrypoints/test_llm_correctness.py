@@ -85,11 +85,12 @@ def test_tiny_batch_greedy_matches_hf(tiny_case, max_num_batched_tokens, no_leak
 BACKEND_SCRIPT = """
 import json, sys
 from pagellm import LLM, SamplingParams
-from pagellm.model_executor.layers.attention import decode_backend
-llm = LLM(model=sys.argv[1], max_model_len=256, kv_cache_memory_bytes=8 << 20, block_size=8)
+from pagellm.model_executor.layers.attention import attention_backend
+llm = LLM(model=sys.argv[1], max_model_len=256, kv_cache_memory_bytes=8 << 20, block_size=8,
+          max_num_batched_tokens=48)
 params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True, logprobs=1)
 out = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
-print(json.dumps({"backend": decode_backend("cpu", __import__("torch").float32),
+print(json.dumps({"backend": attention_backend("cpu", __import__("torch").float32),
                   "tokens": [o.outputs[0].token_ids for o in out],
                   "logprobs": [[e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                                for o in out]}))
@@ -97,15 +98,15 @@ print(json.dumps({"backend": decode_backend("cpu", __import__("torch").float32),
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_forced_decode_attention_backend_matches_hf(backend, tiny_model_factory, make_token_prompts):
-    """PAGELLM_ATTENTION_BACKEND swaps the decode attention under the whole engine (the Triton kernel runs under
-    Triton's interpreter here, as it would on CUDA): greedy tokens and their logprobs equal transformers' over
-    sequences that cross several 8-token blocks. The switch is read once per process, so the run is a separate
-    one."""
+def test_forced_attention_backend_matches_hf(backend, tiny_model_factory, make_token_prompts):
+    """PAGELLM_ATTENTION_BACKEND swaps the attention under the whole engine (the Triton kernels run under Triton's
+    interpreter here, as they would on CUDA): greedy tokens and their logprobs equal transformers' over sequences
+    that cross several 8-token blocks, with prompts chunked by a 48-token budget (later chunks read the earlier
+    ones from the cache). The switch is read once per process, so the run is a separate one."""
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model_factory("qwen3")  # GQA, head size 32
-    prompts = make_token_prompts([3, 17, 40], seed=11)
+    prompts = make_token_prompts([3, 17, 40, 90], seed=11)
     new_tokens = 12
     env = dict(os.environ, PAGELLM_ATTENTION_BACKEND=backend, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the engine switches the interpreter on itself, on the CPU

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +16,13 @@ if not torch.cuda.is_available():
 
 from pagellm.kernels import paged_attention as cpu_kernels  # noqa: E402
 from pagellm.kernels import triton_attention  # noqa: E402
-from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, PrefillChunk  # noqa: E402
+from pagellm.model_executor.layers.attention import (  # noqa: E402
+    PREFILL_BLOCK_M,
+    Attention,
+    AttentionMetadata,
+    PrefillBatch,
+    PrefillChunk,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -177,3 +184,56 @@ def test_mixed_batch_with_chunked_prefill_matches_reference():
         expected = reference_attention(queries[s], keys[s], values[s], attn.scale, causal_offset=cached[s])
         torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-5)
         start += n
+
+
+def triton_prefill(q_chunks, cache, tables, context_lens, scale):
+    """The Triton prefill kernel on this machine's device over chunks of queries (chunk i's first query at position
+    context_lens[i]), with the metadata a PrefillBatch builds."""
+    query_lens = np.array([len(q) for q in q_chunks])
+    max_blocks = max(len(t) for t in tables)
+    table = np.array([t + [0] * (max_blocks - len(t)) for t in tables])
+    batch = PrefillBatch.build(table, query_lens, np.array(context_lens), lambda a: torch.from_numpy(a).to(DEVICE))
+    return triton_attention.paged_prefill_attention(
+        torch.cat(q_chunks).to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), batch.block_tables,
+        batch.query_starts, batch.query_lens, batch.context_lens, batch.tile_chunks, batch.tile_starts, scale,
+        PREFILL_BLOCK_M).cpu()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 32, 16), (6, 3, 80, 4), (2, 2, 16, 1)])
+def test_triton_prefill_matches_reference(heads, kv_heads, head_dim, block_size):
+    """Fresh prompts, later chunks of chunked prefills and prompts behind a cached prefix, longer and shorter than a
+    tile of queries, in one launch: each query sees its sequence's keys up to its own position."""
+    seq_lens, context_lens = [5, 70, 40, 33, 2], [0, 0, 24, 1, 0]
+    cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=head_dim)
+    q_chunks = [torch.randn(n - c, heads, head_dim) for n, c in zip(seq_lens, context_lens)]
+    out = triton_prefill(q_chunks, cache, tables, context_lens, head_dim ** -0.5)
+    start = 0
+    for q, (k, v), context in zip(q_chunks, contiguous, context_lens):
+        expected = reference_attention(q, k, v, head_dim ** -0.5, causal_offset=context)
+        torch.testing.assert_close(out[start:start + len(q)], expected, rtol=1e-5, atol=1e-5)
+        start += len(q)
+
+
+def test_triton_prefill_half_precision():
+    seq_lens, context_lens = [50, 19], [16, 0]
+    cache, tables, contiguous = random_paged_cache(seq_lens, 2, 64, 16)
+    cache = cache.to(torch.bfloat16)
+    q_chunks = [torch.randn(n - c, 8, 64).to(torch.bfloat16) for n, c in zip(seq_lens, context_lens)]
+    out = triton_prefill(q_chunks, cache, tables, context_lens, 0.125)
+    assert out.dtype == torch.bfloat16
+    start = 0
+    for q, (k, v), context in zip(q_chunks, contiguous, context_lens):
+        expected = reference_attention(q.float(), k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float(), 0.125,
+                                       causal_offset=context)
+        # within one bf16 ulp of the expected value (TF32 products, then the output's own rounding)
+        torch.testing.assert_close(out[start:start + len(q)].float(), expected, rtol=2 ** -7, atol=1e-3)
+        start += len(q)
+
+
+def test_prefill_batch_tiles_cover_every_query_once():
+    batch = PrefillBatch.build(np.zeros((3, 2)), np.array([70, 32, 1]), np.array([0, 5, 9]), torch.from_numpy)
+    m = PREFILL_BLOCK_M
+    assert batch.query_starts.tolist() == [0, 70, 102]
+    assert list(zip(batch.tile_chunks.tolist(), batch.tile_starts.tolist())) == [(0, 0), (0, m), (0, 2 * m), (1, 0),
+                                                                                (2, 0)]
+    assert batch.tile_chunks.dtype == torch.int32

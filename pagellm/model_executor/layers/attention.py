@@ -2,9 +2,10 @@
 
 The batch is laid out decodes first (one query token each), then prefill chunks. Decodes run as one batched
 attention that reads each sequence's blocks through its block table: the C kernel on CPU, the Triton kernel on
-CUDA (`decode_backend`), or, where neither runs, PyTorch over gathered blocks masked to each length. Each prefill
-chunk attends causally to its own tokens and to the earlier chunks already in the cache. No padding of the token
-dimension anywhere.
+CUDA (`attention_backend`), or, where neither runs, PyTorch over gathered blocks masked to each length. Each prefill
+chunk attends causally to its own tokens and to the earlier chunks already in the cache: on CUDA all chunks in one
+Triton launch reading the cache through the block tables (`PrefillBatch`), elsewhere one SDPA call per chunk. No
+padding of the token dimension anywhere.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,11 +28,39 @@ class PrefillChunk:
     query_start: int  # offset in the flat batch
     query_len: int
     context_len: int  # tokens of this sequence already in the cache before this chunk
-    block_ids: torch.Tensor  # blocks covering context_len + query_len tokens
+    block_ids: torch.Tensor | None  # blocks covering context_len + query_len tokens (None: see prefill_batch)
 
     @property
     def seq_len(self) -> int:
         return self.context_len + self.query_len
+
+
+PREFILL_BLOCK_M = 32  # queries per program of the Triton prefill kernel
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prefill chunks as flat int32 tensors, for the Triton kernel that runs them all in one launch."""
+
+    block_tables: torch.Tensor  # [chunks, max_blocks], padded with block 0
+    query_starts: torch.Tensor  # [chunks]: first query row of each chunk, counted from the first prefill row
+    query_lens: torch.Tensor  # [chunks]
+    context_lens: torch.Tensor  # [chunks]
+    tile_chunks: torch.Tensor  # [tiles]: the chunk of each tile of PREFILL_BLOCK_M queries
+    tile_starts: torch.Tensor  # [tiles]: the tile's first query, counted from its chunk's first
+
+    @classmethod
+    def build(cls, block_tables: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray,
+              to_device) -> PrefillBatch:
+        """From the chunks' padded block tables, query and context lengths (host arrays); `to_device` copies."""
+        query_starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
+        tiles_per_chunk = -(-query_lens // PREFILL_BLOCK_M)
+        tile_chunks = np.repeat(np.arange(len(query_lens)), tiles_per_chunk)
+        first_tile = np.concatenate(([0], np.cumsum(tiles_per_chunk)[:-1]))
+        tile_starts = (np.arange(len(tile_chunks)) - first_tile[tile_chunks]) * PREFILL_BLOCK_M
+        as_int32 = [np.ascontiguousarray(a, dtype=np.int32) for a in
+                    (block_tables, query_starts, query_lens, context_lens, tile_chunks, tile_starts)]
+        return cls(*(to_device(a) for a in as_int32))
 
 
 @dataclass
@@ -40,10 +70,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the query token
     prefills: list[PrefillChunk]
+    prefill_batch: PrefillBatch | None = None  # the same chunks, for the Triton backend
 
 
 @cache
-def decode_backend(device_type: str, dtype: torch.dtype) -> str:
+def attention_backend(device_type: str, dtype: torch.dtype) -> str:
     """'c' (CPU float32 with the C kernel built), 'triton' (CUDA with Triton installed), else 'torch';
     PAGELLM_ATTENTION_BACKEND overrides the choice."""
     forced = envs.attention_backend()
@@ -73,7 +104,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]. Returns [T, H * D]."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        backend = decode_backend(q.device.type, q.dtype)
+        backend = attention_backend(q.device.type, q.dtype)
         if backend == "c" and k.stride(-1) == 1 and v.stride(-1) == 1:
             cpu_kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         else:
@@ -83,9 +114,17 @@ class Attention(nn.Module):
         if not meta.prefills:  # all decodes: the batched call's output is the whole output
             return self._decode(q, key_cache, value_cache, meta, backend).view(q.shape[0], -1)
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            n = meta.num_decodes
+        n = meta.num_decodes
+        if n:
             out[:n] = self._decode(q[:n], key_cache, value_cache, meta, backend)
+        if meta.prefill_batch is not None:
+            from pagellm.kernels import triton_attention
+
+            batch = meta.prefill_batch
+            out[n:] = triton_attention.paged_prefill_attention(
+                q[n:], key_cache, value_cache, batch.block_tables, batch.query_starts, batch.query_lens,
+                batch.context_lens, batch.tile_chunks, batch.tile_starts, self.scale, PREFILL_BLOCK_M)
+            return out.view(q.shape[0], self.num_heads * self.head_dim)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], key_cache, value_cache, chunk)

@@ -22,7 +22,7 @@ from pagellm.kernels import decoder as fused_decoder_kernels
 from pagellm.kernels import elementwise
 from pagellm.kernels.decoder import FusedDecoder, LayerWeights
 from pagellm.model_executor.layers.activation import SiluAndMul
-from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, decode_backend
+from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, attention_backend
 from pagellm.model_executor.layers.layernorm import RMSNorm
 from pagellm.model_executor.layers.linear import (KERNEL_MAX_ROWS, ColumnParallelLinear, Linear,
                                                   MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         # The C call runs every layer back to back, with no way to sum row-parallel outputs over the ranks; its
         # attention is the C kernel's, so another decode-attention backend keeps the layers apart.
         if (not self.use_fused_decoder or self.tp_size > 1 or fused_decoder_kernels.load() is None
-                or decode_backend("cpu", torch.float32) != "c"):
+                or attention_backend("cpu", torch.float32) != "c"):
             return None
         layers = []
         own_layers = self.own_layers
