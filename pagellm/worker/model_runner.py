@@ -30,6 +30,7 @@ import torch
 from pagellm.config import ModelConfig
 from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
+from pagellm.model_executor.host_copy import tensor_on, to_device
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, attention_backend
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
@@ -129,10 +130,7 @@ class ModelRunner:
         return sum(t.nbytes for name, t in tensors if t.dim() == 2 and "rotary_emb" not in name)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(array, self.device)
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def prepare_inputs(self, batch: list[BatchedRequest]) -> ModelInputs:
@@ -214,7 +212,7 @@ class ModelRunner:
                 start = request.num_computed_tokens
                 end = min(start + request.num_tokens, len(prompt) - 1)
                 logits = self.model.compute_logits(hidden[flat_start:flat_start + end - start])
-                targets = torch.tensor(prompt[start + 1:end + 1], dtype=torch.int64, device=self.device)
+                targets = tensor_on(prompt[start + 1:end + 1], torch.int64, self.device)
                 num = request.sampling_params.prompt_logprobs
                 result[request.request_id] = (start, gather_logprobs(logits.log_softmax(dim=-1), targets,
                                                                      [num] * (end - start)))

@@ -1,9 +1,10 @@
 """The sampler's inputs for a batch: each row's sampling parameters, seeded generator, grammar bitmask, penalties,
-logit bias and bans turned into the tensors of a `SamplingTensors`."""
+logit bias and bans turned into the tensors of a `SamplingTensors` (copied to the device without synchronizing)."""
 from __future__ import annotations
 
 import torch
 
+from pagellm.model_executor.host_copy import tensor_on, to_device
 from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists, unpack_disallowed
 from pagellm.model_executor.layers.sampler import SamplingTensors
 from pagellm.worker.input_batch import BatchedRequest
@@ -24,10 +25,9 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
                 generators[request.request_id] = generator
             row_generators[row] = generator
     tensors = SamplingTensors(
-        temperature=torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
-                                 dtype=torch.float32, device=device),
-        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        temperature=tensor_on([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device),
+        top_p=tensor_on([p.top_p for p in params], torch.float32, device),
+        top_k=tensor_on(top_k, torch.int64, device),
         all_greedy=all(p.is_greedy for p in params),
         needs_top_k=any(k < vocab for k in top_k),
         needs_top_p=any(p.top_p < 1.0 for p in params),
@@ -37,10 +37,10 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
     constrained = [row for row, r in enumerate(requests) if r.grammar_bitmask is not None]
     if constrained:
         disallowed = unpack_disallowed([requests[row].grammar_bitmask for row in constrained], vocab)
-        rows = None if len(constrained) == len(requests) else torch.tensor(constrained, device=device)
-        tensors.disallowed_tokens = (rows, disallowed.to(device))
+        rows = None if len(constrained) == len(requests) else tensor_on(constrained, torch.int64, device)
+        tensors.disallowed_tokens = (rows, to_device(disallowed, device))
     if any(p.min_p > 0.0 and not p.is_greedy for p in params):
-        tensors.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        tensors.min_p = tensor_on([p.min_p for p in params], torch.float32, device)
     if any(p.needs_penalties for p in params):
         # Token lists only for the rows with a penalty; the others get padding (no effect).
         penalized = [p.needs_penalties for p in params]
@@ -49,8 +49,7 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
         tensors.output_tokens = pad_token_lists(
             [r.output_token_ids if on else () for r, on in zip(requests, penalized)], vocab, device)
         for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
-            setattr(tensors, name, torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
-                                                device=device))
+            setattr(tensors, name, tensor_on([getattr(p, name) for p in params], torch.float32, device))
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
     for row, (request, p) in enumerate(zip(requests, params)):
         if p.logit_bias:
@@ -67,9 +66,8 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
         ban_rows += [row] * len(banned)
         ban_ids += banned
     if bias_rows:
-        tensors.logit_bias = (torch.tensor(bias_rows, device=device),
-                              torch.tensor(bias_ids, device=device),
-                              torch.tensor(bias_values, dtype=torch.float32, device=device))
+        tensors.logit_bias = (tensor_on(bias_rows, torch.int64, device), tensor_on(bias_ids, torch.int64, device),
+                              tensor_on(bias_values, torch.float32, device))
     if ban_rows:
-        tensors.bans = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
+        tensors.bans = (tensor_on(ban_rows, torch.int64, device), tensor_on(ban_ids, torch.int64, device))
     return tensors

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from pagellm.model_executor.host_copy import to_device
+
 
 def unpack_disallowed(rows: Sequence[np.ndarray], vocab_size: int) -> torch.Tensor:
     """Packed int32 bitmask rows -> [len(rows), vocab_size] bool, True where the token is NOT allowed."""
@@ -62,7 +64,7 @@ def pad_token_lists(lists: Sequence[Sequence[int]], pad: int, device: torch.devi
     for row, tokens in enumerate(lists):
         if tokens:
             out[row, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
-    return out.to(device)
+    return to_device(out, device)
 
 
 def bad_words_bans(bad_words_token_ids: Iterable[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
@@ -83,5 +85,5 @@ def apply_bias_and_bans(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Te
     if bias is not None:
         logits = logits.index_put(bias[:2], bias[2], accumulate=True)
     if bans is not None:
-        logits = logits.index_put(bans, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        logits = logits.index_put(bans, torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
     return logits
