@@ -178,18 +178,23 @@ class ModelRunner:
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]
         input_ids_on_device = self._to_device(input_ids)
+        # Taken by this step whether it needs them or not: a step that fails before sampling leaves none behind,
+        # so no later step can read stale tokens.
+        last_sampled, self._last_sampled = self._last_sampled, None
         pending = [i for i, r in enumerate(ordered) if r.pending_token]
-        missing = self._fill_pending_tokens(input_ids_on_device, [ordered[i].request_id for i in pending],
+        missing = self._fill_pending_tokens(input_ids_on_device, last_sampled,
+                                            [ordered[i].request_id for i in pending],
                                             starts[pending] + query_lens[pending] - 1) if pending else []
         return ModelInputs(input_ids_on_device, self._to_device(positions), meta, self._to_device(logits_indices),
                            [ordered[i] for i in sampled_rows], prompt_logprobs, missing)
 
-    def _fill_pending_tokens(self, input_ids: torch.Tensor, request_ids: list[str],
-                             flat_indices: np.ndarray) -> list[str]:
-        """Async scheduling: copy the tokens the previous step sampled for these requests into their input slots,
-        on the device (the host does not have them yet). Returns the requests the previous step sampled nothing
-        for (their sampling failed there; they fail here too, and their slot keeps a placeholder)."""
-        tokens, rows = self._last_sampled or (None, {})
+    def _fill_pending_tokens(self, input_ids: torch.Tensor, last_sampled: tuple[torch.Tensor, dict[str, int]] | None,
+                             request_ids: list[str], flat_indices: np.ndarray) -> list[str]:
+        """Async scheduling: copy the tokens the previous step sampled (`last_sampled`) for these requests into their
+        input slots, on the device (the host does not have them yet). Returns the requests the previous step
+        sampled nothing for (it failed, or their sampling did; they fail here too, their slot keeps a
+        placeholder)."""
+        tokens, rows = last_sampled or (None, {})
         found = [(i, rows[rid]) for i, rid in zip(flat_indices.tolist(), request_ids) if rid in rows]
         if found:
             destinations, sources = zip(*found)

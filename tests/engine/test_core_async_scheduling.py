@@ -50,6 +50,45 @@ def test_a_sampling_failure_fails_alone_while_its_next_step_is_in_flight(engine,
     engine.engine_core.scheduler.check_consistency()
 
 
+def test_a_failed_step_fails_its_requests_and_their_blind_next_step_reads_no_stale_token(engine, monkeypatch):
+    """The forward pass of one step raises after its inputs were prepared; the next step, already submitted with
+    that request continuing blind, finds no sampled token for it (none is left over from earlier steps) and fails
+    it too; the request waiting behind it then runs as it would have."""
+    expected, _ = run(engine, ["greedy", "seeded"])
+    model_runner = engine.engine_core.executor.worker.model_runner
+    forward, calls = model_runner._forward, []
+
+    def fails_once(inputs):
+        calls.append(inputs)
+        if len(calls) == 3:
+            raise RuntimeError("injected device error")
+        return forward(inputs)
+
+    monkeypatch.setattr(model_runner, "_forward", fails_once)
+    monkeypatch.setattr(engine.engine_core.scheduler.config, "max_num_seqs", 1)  # "seeded" waits behind "greedy"
+    batches = record_batches(engine, monkeypatch)
+    executor, results = engine.engine_core.executor, []
+    collect = executor.collect_model_output
+
+    def recording_collect():
+        try:
+            results.append(collect())
+        except RuntimeError as exc:
+            results.append(exc)
+            raise
+        return results[-1]
+
+    monkeypatch.setattr(executor, "collect_model_output", recording_collect)
+    tokens, failures = run(engine, ["greedy", "seeded"])
+    assert list(failures) == ["greedy"] and "injected device error" in failures["greedy"]
+    assert tokens == {"seeded": expected["seeded"]}
+    assert batches[3] == (2, ["greedy"], 1)  # submitted while the failing third batch was still uncollected
+    assert isinstance(results[2], RuntimeError)
+    assert "sampled no token" in results[3].failed["greedy"] and not results[3].sampled_token_ids
+    assert used_blocks(engine) == 0 and not engine.engine_core.scheduler.in_flight
+    engine.engine_core.scheduler.check_consistency()
+
+
 def test_a_request_that_must_wait_for_its_token_is_never_left_behind(engine, monkeypatch):
     batches = record_batches(engine, monkeypatch)
     engine.add_request("plain", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
