@@ -1,4 +1,5 @@
-"""Host data onto the device without waiting for it: on CUDA through pinned memory with a non-blocking copy.
+"""Host data onto the device without waiting for it: on CUDA through pinned memory with a non-blocking copy, a
+step's many small integer arrays merged into one transfer (`StagedCopy`).
 
 A copy from pageable host memory synchronizes the stream: built while the device still runs the previous step
 (async scheduling), any such copy would make the host wait for that step and undo the overlap.
@@ -20,3 +21,25 @@ def to_device(data: torch.Tensor | np.ndarray, device: torch.device | str) -> to
 def tensor_on(values, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
     """torch.tensor(values, dtype=dtype) on `device`, copied without synchronizing."""
     return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+class StagedCopy:
+    """A step's integer host arrays sent to the device together: on CUDA gathered into one buffer and sent in a
+    single pinned, non-blocking copy, instead of one small transfer each (`send` returns each array as a view of the
+    device buffer, in the order added); on the CPU, where there is nothing to transfer, each array as it is."""
+
+    def __init__(self) -> None:
+        self._arrays: list[np.ndarray] = []
+
+    def add(self, array) -> int:
+        """Queue `array` (anything NumPy turns into integers); returns its index in `send`'s result."""
+        self._arrays.append(np.ascontiguousarray(array, dtype=np.int64))
+        return len(self._arrays) - 1
+
+    def send(self, device: torch.device, merge: bool | None = None) -> list[torch.Tensor]:
+        """The arrays as int64 tensors on `device`; `merge` (default: off the CPU) sends them as one buffer."""
+        if not (device.type != "cpu" if merge is None else merge):
+            return [torch.from_numpy(array) for array in self._arrays]
+        flat = np.concatenate([array.reshape(-1) for array in self._arrays]) if self._arrays else np.empty(0, np.int64)
+        parts = torch.split(to_device(flat, device), [array.size for array in self._arrays])
+        return [part if array.ndim == 1 else part.view(array.shape) for part, array in zip(parts, self._arrays)]

@@ -1,8 +1,9 @@
 """Applies each SchedulerOutput to the worker's persistent InputBatch, turns the step's batch into flat model
 inputs, runs the model over the paged cache, and samples.
 
-Inputs are built on the CPU with NumPy (one vectorised pass for the slot mapping) and, on CUDA, staged in
-pinned host buffers and copied with non_blocking=True.
+Inputs are built on the CPU with NumPy (one vectorised pass for the slot mapping); on CUDA all of a step's integer
+inputs (token ids, positions, slot mapping, block tables, lengths, logits rows) go to the device as one buffer in
+one pinned, non-blocking copy (model_executor/host_copy.py).
 
 A request whose own work fails (its prompt logprobs, its sampling parameters) is reported in
 `ModelRunnerOutput.failed` and the rest of the batch keeps its results: when a batched sampling call raises, each
@@ -30,7 +31,7 @@ import torch
 from pagellm.config import ModelConfig
 from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
-from pagellm.model_executor.host_copy import tensor_on, to_device
+from pagellm.model_executor.host_copy import StagedCopy, tensor_on
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, attention_backend
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
@@ -129,9 +130,6 @@ class ModelRunner:
         tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
         return sum(t.nbytes for name, t in tensors if t.dim() == 2 and "rotary_emb" not in name)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.device)
-
     # ---- inputs ------------------------------------------------------------------------------------------
     def prepare_inputs(self, batch: list[BatchedRequest]) -> ModelInputs:
         # Decodes (one query token) first: they share one batched attention call.
@@ -153,54 +151,47 @@ class ModelRunner:
         slot_mapping = block_table[req_index, positions // bs] * bs + positions % bs
         input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64, count=num_tokens)
 
-        decode_tables = decode_seq_lens = None
-        if decodes:
-            n = len(decodes)
-            decode_blocks = max(len(r.block_ids) for r in decodes)
-            decode_tables = self._to_device(np.ascontiguousarray(block_table[:n, :decode_blocks]))
-            decode_seq_lens = self._to_device(positions[:n] + 1)
-        # The Triton backend runs every chunk in one launch from a PrefillBatch; the others take one table per chunk.
-        batched = bool(prefills) and attention_backend(self.device.type, self.model_config.dtype) == "triton"
-        chunks = [
-            PrefillChunk(query_start=int(starts[i]), query_len=r.num_tokens, context_len=r.num_computed_tokens,
-                         block_ids=None if batched else self._to_device(np.array(r.block_ids, dtype=np.int64)))
-            for i, r in enumerate(ordered) if i >= len(decodes)
-        ]
-        prefill_batch = PrefillBatch.build(
-            block_table[len(decodes):], query_lens[len(decodes):], np.array([r.num_computed_tokens for r in prefills]),
-            self._to_device) if batched else None
         # n > 1: the same last-token logits row is sampled once per sequence.
         sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample for _ in range(r.num_samples)]
         logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1
-        meta = AttentionMetadata(self._to_device(slot_mapping), len(decodes), decode_tables, decode_seq_lens, chunks,
-                                 prefill_batch)
+        # Async scheduling: inputs that are the previous step's sampled tokens, taken from them on the device. They
+        # are taken by this step whether it needs them or not: a step that fails before sampling leaves none
+        # behind, so no later step can read stale tokens.
+        (last_tokens, last_rows), self._last_sampled = self._last_sampled or (None, {}), None
+        pending = [(int(starts[i] + query_lens[i] - 1), r.request_id) for i, r in enumerate(ordered) if r.pending_token]
+        taken = [(slot, last_rows[rid]) for slot, rid in pending if rid in last_rows]
+
+        # Every integer input of the step reaches the device in one copy.
+        staged = StagedCopy()
+        ids, pos, slots, logits_rows = (staged.add(a) for a in (input_ids, positions, slot_mapping, logits_indices))
+        n = len(decodes)
+        if decodes:
+            tables = staged.add(block_table[:n, :max(len(r.block_ids) for r in decodes)])
+            lens = staged.add(positions[:n] + 1)
+        # The Triton backend runs every chunk in one launch from a PrefillBatch; the others take one table per chunk.
+        batched = bool(prefills) and attention_backend(self.device.type, self.model_config.dtype) == "triton"
+        if batched:
+            prefill = [staged.add(a) for a in PrefillBatch.host_arrays(
+                block_table[n:], query_lens[n:], np.array([r.num_computed_tokens for r in prefills]))]
+        else:
+            prefill = [staged.add(r.block_ids) for r in prefills]
+        if taken:
+            destinations, sources = (staged.add(column) for column in zip(*taken))
+        t = staged.send(self.device)
+
+        if taken:
+            t[ids][t[destinations]] = last_tokens[t[sources]]
+        chunks = [PrefillChunk(query_start=int(starts[n + j]), query_len=r.num_tokens,
+                               context_len=r.num_computed_tokens, block_ids=None if batched else t[prefill[j]])
+                  for j, r in enumerate(prefills)]
+        meta = AttentionMetadata(t[slots], n, t[tables] if decodes else None, t[lens] if decodes else None, chunks,
+                                 PrefillBatch(*(t[h] for h in prefill)) if batched else None)
         prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]
-        input_ids_on_device = self._to_device(input_ids)
-        # Taken by this step whether it needs them or not: a step that fails before sampling leaves none behind,
-        # so no later step can read stale tokens.
-        last_sampled, self._last_sampled = self._last_sampled, None
-        pending = [i for i, r in enumerate(ordered) if r.pending_token]
-        missing = self._fill_pending_tokens(input_ids_on_device, last_sampled,
-                                            [ordered[i].request_id for i in pending],
-                                            starts[pending] + query_lens[pending] - 1) if pending else []
-        return ModelInputs(input_ids_on_device, self._to_device(positions), meta, self._to_device(logits_indices),
-                           [ordered[i] for i in sampled_rows], prompt_logprobs, missing)
-
-    def _fill_pending_tokens(self, input_ids: torch.Tensor, last_sampled: tuple[torch.Tensor, dict[str, int]] | None,
-                             request_ids: list[str], flat_indices: np.ndarray) -> list[str]:
-        """Async scheduling: copy the tokens the previous step sampled (`last_sampled`) for these requests into their
-        input slots, on the device (the host does not have them yet). Returns the requests the previous step
-        sampled nothing for (it failed, or their sampling did; they fail here too, their slot keeps a
-        placeholder)."""
-        tokens, rows = last_sampled or (None, {})
-        found = [(i, rows[rid]) for i, rid in zip(flat_indices.tolist(), request_ids) if rid in rows]
-        if found:
-            destinations, sources = zip(*found)
-            index = self._to_device(np.array(sources, dtype=np.int64))
-            input_ids[self._to_device(np.array(destinations, dtype=np.int64))] = tokens[index].to(input_ids.dtype)
-        return [rid for rid in request_ids if rid not in rows]
+        missing = [rid for _, rid in pending if rid not in last_rows]
+        return ModelInputs(t[ids], t[pos], meta, t[logits_rows], [ordered[i] for i in sampled_rows], prompt_logprobs,
+                           missing)
 
     def sampling_tensors(self, requests: list[BatchedRequest]) -> SamplingTensors:
         return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, self.generators)

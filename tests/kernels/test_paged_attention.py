@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 from pagellm.kernels import paged_attention as cpu_kernels  # noqa: E402
 from pagellm.kernels import triton_attention  # noqa: E402
+from pagellm.model_executor.host_copy import StagedCopy  # noqa: E402
 from pagellm.model_executor.layers.attention import (  # noqa: E402
     PREFILL_BLOCK_M,
     Attention,
@@ -186,13 +187,21 @@ def test_mixed_batch_with_chunked_prefill_matches_reference():
         start += n
 
 
+def prefill_batch(block_tables, query_lens, context_lens, device) -> PrefillBatch:
+    """A PrefillBatch sent as the model runner sends it: its arrays in one staged copy."""
+    staged = StagedCopy()
+    handles = [staged.add(a) for a in PrefillBatch.host_arrays(block_tables, query_lens, context_lens)]
+    tensors = staged.send(device)
+    return PrefillBatch(*(tensors[h] for h in handles))
+
+
 def triton_prefill(q_chunks, cache, tables, context_lens, scale):
     """The Triton prefill kernel on this machine's device over chunks of queries (chunk i's first query at position
-    context_lens[i]), with the metadata a PrefillBatch builds."""
+    context_lens[i]), with the metadata of a PrefillBatch."""
     query_lens = np.array([len(q) for q in q_chunks])
     max_blocks = max(len(t) for t in tables)
     table = np.array([t + [0] * (max_blocks - len(t)) for t in tables])
-    batch = PrefillBatch.build(table, query_lens, np.array(context_lens), lambda a: torch.from_numpy(a).to(DEVICE))
+    batch = prefill_batch(table, query_lens, np.array(context_lens), DEVICE)
     return triton_attention.paged_prefill_attention(
         torch.cat(q_chunks).to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), batch.block_tables,
         batch.query_starts, batch.query_lens, batch.context_lens, batch.tile_chunks, batch.tile_starts, scale,
@@ -231,9 +240,8 @@ def test_triton_prefill_half_precision():
 
 
 def test_prefill_batch_tiles_cover_every_query_once():
-    batch = PrefillBatch.build(np.zeros((3, 2)), np.array([70, 32, 1]), np.array([0, 5, 9]), torch.from_numpy)
+    batch = prefill_batch(np.zeros((3, 2)), np.array([70, 32, 1]), np.array([0, 5, 9]), torch.device("cpu"))
     m = PREFILL_BLOCK_M
-    assert batch.query_starts.tolist() == [0, 70, 102]
+    assert batch.query_starts.tolist() == [0, 70, 102] and batch.context_lens.tolist() == [0, 5, 9]
     assert list(zip(batch.tile_chunks.tolist(), batch.tile_starts.tolist())) == [(0, 0), (0, m), (0, 2 * m), (1, 0),
                                                                                 (2, 0)]
-    assert batch.tile_chunks.dtype == torch.int32

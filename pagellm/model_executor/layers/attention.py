@@ -40,7 +40,7 @@ PREFILL_BLOCK_M = 32  # queries per program of the Triton prefill kernel
 
 @dataclass
 class PrefillBatch:
-    """A step's prefill chunks as flat int32 tensors, for the Triton kernel that runs them all in one launch."""
+    """A step's prefill chunks as flat integer tensors, for the Triton kernel that runs them all in one launch."""
 
     block_tables: torch.Tensor  # [chunks, max_blocks], padded with block 0
     query_starts: torch.Tensor  # [chunks]: first query row of each chunk, counted from the first prefill row
@@ -49,18 +49,16 @@ class PrefillBatch:
     tile_chunks: torch.Tensor  # [tiles]: the chunk of each tile of PREFILL_BLOCK_M queries
     tile_starts: torch.Tensor  # [tiles]: the tile's first query, counted from its chunk's first
 
-    @classmethod
-    def build(cls, block_tables: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray,
-              to_device) -> PrefillBatch:
-        """From the chunks' padded block tables, query and context lengths (host arrays); `to_device` copies."""
+    @staticmethod
+    def host_arrays(block_tables: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray) -> list[np.ndarray]:
+        """The fields, in order, as host arrays, from the chunks' padded block tables, query and context lengths
+        (the caller copies them to the device and builds the PrefillBatch from the copies)."""
         query_starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
         tiles_per_chunk = -(-query_lens // PREFILL_BLOCK_M)
         tile_chunks = np.repeat(np.arange(len(query_lens)), tiles_per_chunk)
         first_tile = np.concatenate(([0], np.cumsum(tiles_per_chunk)[:-1]))
         tile_starts = (np.arange(len(tile_chunks)) - first_tile[tile_chunks]) * PREFILL_BLOCK_M
-        as_int32 = [np.ascontiguousarray(a, dtype=np.int32) for a in
-                    (block_tables, query_starts, query_lens, context_lens, tile_chunks, tile_starts)]
-        return cls(*(to_device(a) for a in as_int32))
+        return [block_tables, query_starts, query_lens, context_lens, tile_chunks, tile_starts]
 
 
 @dataclass
