@@ -6,9 +6,10 @@ A request in batch N may go into N+1 when what it computes next does not depend 
 prompt never does. A decode does only through the token N samples: N+1 computes it blind (the worker takes it from
 N's sampled tokens on the device), unless the token decides more than its own K/V. It does for beams (the group
 picks the next tokens), grammars (N+1's bitmask needs the grammar advanced by it), the first sample of an n > 1
-request (it forks), penalties, bad words and min_tokens not yet reached (the sampler reads the output tokens, whose
-last one the worker does not have yet). Such a request waits for N, and the engine then collects N before
-scheduling (no batch leaves it behind). If N's token ends the request (EOS, a stop token or string), N+1's work for
+request (it forks) and bad words (whether a bad word's prefix ends the output is decided on the host, which does
+not have the token yet). Such a request waits for N, and the engine then collects N before scheduling (no batch
+leaves it behind). Penalties and min_tokens do not make a request wait: the worker counts the token in flight
+itself (see worker/sampling_inputs.py). If N's token ends the request (EOS, a stop token or string), N+1's work for
 it is dropped: one token's compute, where a synchronous step would have waited for the CPU.
 """
 from __future__ import annotations
@@ -19,10 +20,8 @@ from pagellm.core.sched_output import ScheduledRequest
 
 def may_sample_blind(request: Request, flight: ScheduledRequest) -> bool:
     """Whether the request's next step may run before the token its batch in flight samples is known here."""
-    params = request.sampling_params
     return (flight.num_samples == 1 and request.beam_group is None and request.structured_output_request is None
-            and not params.needs_penalties and not request.bad_words_token_ids
-            and request.num_output_tokens >= params.min_tokens)
+            and not request.bad_words_token_ids)
 
 
 def tokens_after_flight(request: Request, flight: ScheduledRequest, max_model_len: int) -> int | None:

@@ -72,7 +72,7 @@ class ModelInputs:
     sampled: list[BatchedRequest]  # one per logits row, in order (repeated for num_samples > 1)
     # (request, flat index of its first token this step): prefill chunks whose prompt logprobs are wanted
     prompt_logprobs: list[tuple[BatchedRequest, int]] = field(default_factory=list)
-    # Async scheduling: requests whose pending input token the previous step did not sample (its sampling failed)
+    # Async scheduling: requests whose input token the previous step did not sample (it failed, or their sampling did)
     missing_pending: list[str] = field(default_factory=list)
 
 
@@ -85,6 +85,9 @@ class ForwardResult:
     prompt_logprobs: dict[str, tuple[int, list]]
     failed: dict[str, str]
     phase_seconds: dict[str, float]
+    # Async scheduling: each logits row's last input token, on the device (the pending ones are known only there),
+    # when a row has one pending.
+    last_inputs: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -193,8 +196,10 @@ class ModelRunner:
         return ModelInputs(t[ids], t[pos], meta, t[logits_rows], [ordered[i] for i in sampled_rows], prompt_logprobs,
                            missing)
 
-    def sampling_tensors(self, requests: list[BatchedRequest]) -> SamplingTensors:
-        return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, self.generators)
+    def sampling_tensors(self, requests: list[BatchedRequest],
+                         last_inputs: torch.Tensor | None = None) -> SamplingTensors:
+        return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, self.generators,
+                                      last_inputs)
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs,
                                 failed: dict[str, str]) -> dict[str, tuple[int, list]]:
@@ -240,7 +245,9 @@ class ModelRunner:
         phases = {"prepare_inputs": prepared - start, "forward": time.perf_counter() - prepared}
         if logits is None or not self.samples:
             return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed, phase_seconds=phases)
-        step = ForwardResult(inputs.sampled, logits, prompt_logprobs, failed, phases)
+        last_inputs = (inputs.input_ids[inputs.logits_indices] if any(r.pending_token for r in inputs.sampled)
+                       else None)
+        step = ForwardResult(inputs.sampled, logits, prompt_logprobs, failed, phases, last_inputs)
         if output.structured_output_request_ids:
             self._awaiting_grammar = (step, output.structured_output_request_ids)
             return None
@@ -269,7 +276,7 @@ class ModelRunner:
 
     def _sample_step(self, step: ForwardResult) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         start = time.perf_counter()
-        rows, tokens, entries = self._sample(step.logits, step.sampled, step.failed)
+        rows, tokens, entries = self._sample(step.logits, step.sampled, step.failed, step.last_inputs)
         row_of: dict[str, int] = {}
         for i, row in enumerate(rows):
             row_of.setdefault(step.sampled[row].request_id, i)
@@ -288,8 +295,8 @@ class ModelRunner:
 
         return AsyncModelRunnerOutput(tokens, finish) if self.async_output else finish(tokens.tolist())
 
-    def _sample(self, logits: torch.Tensor, requests: list[BatchedRequest],
-                failed: dict[str, str]) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
+    def _sample(self, logits: torch.Tensor, requests: list[BatchedRequest], failed: dict[str, str],
+                last_inputs: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
         """Sample every logits row (one per entry of `requests`) of requests not in `failed`, in one batch; if
         that raises, sample each request's rows alone so that only the request that breaks sampling fails (it
         goes into `failed`). Returns the rows sampled (ascending), their tokens (on the device) and logprobs
@@ -305,7 +312,7 @@ class ModelRunner:
         states = {} if len(by_request) == 1 else {
             rid: self.generators[rid].get_state() for rid in by_request if rid in self.generators}
         try:
-            return self._sample_rows(logits, requests, rows)
+            return self._sample_rows(logits, requests, rows, last_inputs)
         except Exception as exc:
             if len(by_request) == 1:
                 _record_failure(failed, next(iter(by_request)), "Sampling", exc)
@@ -320,7 +327,7 @@ class ModelRunner:
         parts = []
         for request_id, request_rows in by_request.items():
             try:
-                parts.append(self._sample_rows(logits, requests, request_rows))
+                parts.append(self._sample_rows(logits, requests, request_rows, last_inputs))
             except Exception as exc:
                 _record_failure(failed, request_id, "Sampling", exc)
         if not parts:
@@ -328,8 +335,12 @@ class ModelRunner:
         return ([row for part in parts for row in part[0]], torch.cat([part[1] for part in parts]),
                 [entry for part in parts for entry in part[2]])
 
-    def _sample_rows(self, logits: torch.Tensor, requests: list[BatchedRequest],
-                     rows: list[int]) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
-        subset = logits if len(rows) == len(requests) else logits[rows]
-        out = self.sampler(subset, self.sampling_tensors([requests[row] for row in rows]))
+    def _sample_rows(self, logits: torch.Tensor, requests: list[BatchedRequest], rows: list[int],
+                     last_inputs: torch.Tensor | None = None
+                     ) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
+        every_row = len(rows) == len(requests)
+        subset = logits if every_row else logits[rows]
+        if last_inputs is not None and not every_row:
+            last_inputs = last_inputs[rows]
+        out = self.sampler(subset, self.sampling_tensors([requests[row] for row in rows], last_inputs))
         return rows, out.sampled, out.logprobs or [None] * len(rows)

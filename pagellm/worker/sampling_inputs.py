@@ -11,9 +11,14 @@ from pagellm.worker.input_batch import BatchedRequest
 
 
 def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: torch.device,
-                           generators: dict[str, torch.Generator]) -> SamplingTensors:
+                           generators: dict[str, torch.Generator],
+                           last_inputs: torch.Tensor | None = None) -> SamplingTensors:
     """The sampler's tensors for one logits row per entry of `requests`. A seeded request's generator is created in
-    `generators` (keyed by request id) on its first sample and advanced from then on."""
+    `generators` (keyed by request id) on its first sample and advanced from then on.
+
+    Async scheduling: a request with a pending token (see worker/input_batch.py) has generated one token more than
+    its `output_token_ids` hold; `last_inputs` (each row's last input token, on the device) supplies it to the
+    penalties, and min_tokens counts it."""
     params = [r.sampling_params for r in requests]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     row_generators = {}
@@ -48,6 +53,13 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
             [r.prompt_token_ids if on else () for r, on in zip(requests, penalized)], vocab, device)
         tensors.output_tokens = pad_token_lists(
             [r.output_token_ids if on else () for r, on in zip(requests, penalized)], vocab, device)
+        pending = [row for row, (r, on) in enumerate(zip(requests, penalized)) if on and r.pending_token]
+        if pending:
+            # One more column: the pending token where a penalized row has one, padding (no effect) elsewhere.
+            column = torch.full((len(requests),), vocab, dtype=torch.int64, device=device)
+            rows = tensor_on(pending, torch.int64, device)
+            column[rows] = last_inputs[rows]
+            tensors.output_tokens = torch.cat([tensors.output_tokens, column[:, None]], dim=1)
         for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
             setattr(tensors, name, tensor_on([getattr(p, name) for p in params], torch.float32, device))
     bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
@@ -59,7 +71,7 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
         banned = []
         if request.bad_words_token_ids:
             banned += bad_words_bans(request.bad_words_token_ids, request.output_token_ids)
-        if len(request.output_token_ids) < p.min_tokens:
+        if len(request.output_token_ids) + request.pending_token < p.min_tokens:
             banned += p.stop_token_ids
             if not p.ignore_eos:
                 banned += request.eos_token_ids

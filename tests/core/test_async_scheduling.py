@@ -80,18 +80,14 @@ def test_prompt_chunks_follow_each_other_without_waiting():
                                                           (8, 2, True, False)]
 
 
-@pytest.mark.parametrize("kind", ["penalty", "bad_words", "min_tokens", "n", "beam"])
+@pytest.mark.parametrize("kind", ["bad_words", "n", "beam"])
 def test_requests_whose_next_step_depends_on_the_token_wait_for_it(kind):
-    """Penalties, bad words and min_tokens read the output tokens; the first sample of n > 1 forks; beams advance
-    as a group: none of them continues blind, and the engine collects first (can_schedule_ahead is False)."""
+    """Bad words are matched against the output on the host; the first sample of n > 1 forks; beams advance as a
+    group: none of them continues blind, and the engine collects first (can_schedule_ahead is False)."""
     sched = make_async_scheduler()
     request = make_request("r", max_tokens=8)
-    if kind == "penalty":
-        with_params(request, repetition_penalty=1.2)
-    elif kind == "bad_words":
+    if kind == "bad_words":
         request.bad_words_token_ids = [[5]]
-    elif kind == "min_tokens":
-        with_params(request, min_tokens=3)
     elif kind == "n":
         with_params(request, n=2, temperature=1.0, seed=0)
     beams = BeamGroup("r", BeamSearchParams(beam_width=2, max_tokens=4), frozenset()) if kind == "beam" else None
@@ -102,13 +98,14 @@ def test_requests_whose_next_step_depends_on_the_token_wait_for_it(kind):
     assert ids(sched.schedule().scheduled) == ["plain"]  # what the engine would not ask for: r stays behind
 
 
-def test_min_tokens_reached_continues_blind():
+@pytest.mark.parametrize("params", [dict(repetition_penalty=1.2, frequency_penalty=0.5), dict(min_tokens=3)],
+                         ids=["penalties", "min_tokens"])
+def test_penalties_and_min_tokens_continue_blind(params):
+    """The worker counts the token in flight itself (tested end to end against the synchronous engine)."""
     sched = make_async_scheduler()
-    sched.add_request(with_params(make_request("r", max_tokens=8), min_tokens=1))
-    first = sched.schedule()
-    sched.update_from_output(first, sampled_for(first))  # one output token: min_tokens is met from now on
+    sched.add_request(with_params(make_request("r", max_tokens=8), **params))
     sched.schedule()
-    assert sched.can_schedule_ahead() and ids(sched.schedule().scheduled) == ["r"]
+    assert sched.can_schedule_ahead() and [s.pending_token for s in sched.schedule().scheduled] == [True]
 
 
 def test_a_request_whose_token_in_flight_is_its_last_is_not_scheduled_again():

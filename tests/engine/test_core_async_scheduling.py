@@ -1,5 +1,5 @@
 """The engine loop under `--async-scheduling` (tiny random Llama): a failure in batch N whose request already
-continues in batch N+1 fails that request alone; a request that must wait for its results (penalties here) is
+continues in batch N+1 fails that request alone; a request that must wait for its results (bad words here) is
 never left a step behind, the engine collecting first; the flag is refused where it cannot work."""
 from __future__ import annotations
 
@@ -92,12 +92,12 @@ def test_a_failed_step_fails_its_requests_and_their_blind_next_step_reads_no_sta
 def test_a_request_that_must_wait_for_its_token_is_never_left_behind(engine, monkeypatch):
     batches = record_batches(engine, monkeypatch)
     engine.add_request("plain", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.add_request("penalized", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                                       frequency_penalty=0.5))
+    engine.add_request("bad_words", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                       bad_words=["dragon"]))
     _, failures = run(engine, [])
     assert not failures
     # Both in every batch, one batch per token: the engine collected each batch before scheduling the next.
-    assert [request_ids for _, request_ids, _ in batches] == [["plain", "penalized"]] * 8
+    assert [request_ids for _, request_ids, _ in batches] == [["plain", "bad_words"]] * 8
     assert {depth for depth, _, _ in batches} == {1}
 
 

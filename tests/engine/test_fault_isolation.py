@@ -47,8 +47,8 @@ def fail_sampling_of(monkeypatch, engine: LLMEngine, group_id: str, from_sample:
     sample_rows = model_runner._sample_rows
     batches = []
 
-    def faulty(logits, requests, rows):
-        result = sample_rows(logits, requests, rows)
+    def faulty(logits, requests, rows, *rest):
+        result = sample_rows(logits, requests, rows, *rest)
         if any(requests[row].request_id.split("/")[0] == group_id for row in rows):
             batches.append(rows)
             if len(batches) >= from_sample:

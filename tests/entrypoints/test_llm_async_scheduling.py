@@ -106,3 +106,23 @@ def test_beam_search_gives_what_the_synchronous_engine_gives(sync_llm, async_llm
     got = [[(s.tokens, s.cum_logprob) for s in out.sequences] for out in async_llm.beam_search(prompts, params)]
     assert got == expected
     no_leaks(async_llm)
+
+
+def test_min_tokens_and_penalties_count_the_token_in_flight(sync_llm, async_llm, make_token_prompts):
+    """A blind step's sampler counts the token still in flight: min_tokens lifts the ban on a stop token exactly
+    when the k-th output token is due (the stop token being the k-th greedy token, the output is the first k + 1
+    greedy tokens), and strong penalties see the token just sampled, as in the synchronous engine."""
+    prompt = make_token_prompts([11], seed=21)[0]
+    greedy = sync_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    k = next(k for k in range(3, 10) if greedy[k] not in greedy[:k])
+    stop_at_k = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, min_tokens=k,
+                               stop_token_ids=[greedy[k]])
+    for llm in (sync_llm, async_llm):
+        out = llm.generate(prompt, stop_at_k, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == greedy[:k + 1] and out.finish_reason == "stop"
+    penalized = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0,
+                               presence_penalty=2.0, repetition_penalty=2.0)
+    prompts = make_token_prompts([5, 9, 14], seed=22)
+    expected = [o.outputs[0].token_ids for o in sync_llm.generate(prompts, penalized, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in async_llm.generate(prompts, penalized, use_tqdm=False)] == expected
