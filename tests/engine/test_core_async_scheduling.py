@@ -1,10 +1,15 @@
 """The engine loop under `--async-scheduling` (tiny random Llama): a failure in batch N whose request already
 continues in batch N+1 fails that request alone; a request that must wait for its results (bad words here) is
-never left a step behind, the engine collecting first; the flag is refused where it cannot work."""
+never left a step behind, the engine collecting first; the serving loop streams and aborts over it; the flag is
+refused where it cannot work."""
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 import torch
+from engine_steps import step_until_done
 from test_fault_isolation import PARAMS, fail_sampling_of, run, used_blocks
 
 from pagellm.engine.arg_utils import EngineArgs
@@ -99,6 +104,48 @@ def test_a_request_that_must_wait_for_its_token_is_never_left_behind(engine, mon
     # Both in every batch, one batch per token: the engine collected each batch before scheduling the next.
     assert [request_ids for _, request_ids, _ in batches] == [["plain", "bad_words"]] * 8
     assert {depth for depth, _, _ in batches} == {1}
+
+
+def test_async_llm_streams_and_aborts(engine):
+    """The serving loop over an async-scheduling engine: concurrent streams add up to the offline result, an abort
+    while the request's next step is already submitted ends its stream, and every block comes back."""
+    from pagellm.engine.async_llm import AsyncLLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"ref-{i}", prompt, greedy)
+    expected, _ = step_until_done(engine)
+    llm = AsyncLLM.from_engine(engine, log_stats=False)
+
+    async def collect(i: int) -> list[int]:
+        token_ids = []
+        async for output in llm.generate(prompts[i], greedy, f"stream-{i}"):
+            token_ids += output.outputs[0].token_ids
+        return token_ids
+
+    async def aborted() -> list:
+        outputs = []
+        async for output in llm.generate("Tell me a long story", SamplingParams(max_tokens=200, ignore_eos=True),
+                                         "abort-me"):
+            outputs.append(output)
+            if len(outputs) == 2:
+                await llm.abort("abort-me")
+        return outputs
+
+    async def run():
+        return await asyncio.gather(aborted(), *(collect(i) for i in range(len(prompts))))
+
+    try:
+        aborted_outputs, *streams = asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while used_blocks(engine) and time.monotonic() < deadline:  # the engine thread applies the abort
+            time.sleep(0.01)
+    finally:
+        llm.shutdown()
+    assert streams == [expected[f"ref-{i}"].outputs[0].token_ids for i in range(len(prompts))]
+    assert 2 <= len(aborted_outputs) < 200 and not aborted_outputs[-1].finished
+    assert used_blocks(engine) == 0 and not engine.engine_core.scheduler.in_flight
 
 
 def test_async_scheduling_needs_one_rank_in_this_process(tiny_model_factory):
