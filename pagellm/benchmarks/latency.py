@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> None:
     peak = peak_matmul_flops(model_config.dtype, device)
     print(f"{model_config.served_model_name}: input {args.input_len}, output {args.output_len} tokens, "
           f"{torch.get_num_threads()} threads, {device}; quantization {model_config.quantization}"
-          f"{' + int8 activations' if model_config.quantize_activations else ''}. "
+          f"{' + int8 activations' if model_config.quantize_activations else ''}"
+          f"{'; async scheduling' if llm.llm_engine.config.scheduler_config.async_scheduling else ''}. "
           f"Machine: {bandwidth / 1e9:.1f} GB/s memory read, {peak / 1e9:.0f} GFLOP/s "
           f"{str(model_config.dtype).removeprefix('torch.')} matmul peak.")
     results: list[LatencyResult] = []
