@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 from test_scheduler import EOS, TOKEN, blocks_of, ids, make_request
+from test_scheduler_invariants import workloads
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
@@ -159,3 +161,96 @@ def test_an_abort_in_flight_ignores_both_late_results():
     assert sched.update_from_output(first, sampled_for(first)) == ([], [])
     assert sched.update_from_output(second, sampled_for(second)) == ([], [])
     assert not sched.in_flight and sched.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+# ---- random workloads, driven as EngineCore drives an async-scheduling scheduler --------------------------------
+def run_async_workload(w) -> tuple[Scheduler, dict, dict[str, int]]:
+    """Batches are submitted while one is in flight whenever can_schedule_ahead() allows, and collected oldest
+    first. A fake worker keeps its view from the diffs alone, takes each pending token from the previous batch's
+    samples (as the model runner does on the device), checks that every computed position holds the right token,
+    and writes the batch's tokens into a fake cache at submission (never into a shared or cached block)."""
+    from collections import deque
+
+    from test_scheduler_invariants import MAX_MODEL_LEN, FakeKVCache, check_blocks
+
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=w.max_num_seqs,
+                             max_num_batched_tokens=w.max_num_batched_tokens, enable_chunked_prefill=w.chunked,
+                             scheduling_policy=w.policy, preemption_mode=w.preemption_mode, async_scheduling=True)
+    sched = Scheduler(config, KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks))
+    cache, worker, bs = FakeKVCache(w.num_blocks, w.num_host_blocks, w.block_size), InputBatch(), w.block_size
+    specs = {s.request_id: s for s in w.specs}
+    requests, aborted_at, in_flight, last_sampled = {}, {}, deque(), {}
+    last_arrival = max(s.arrival for s in w.specs)
+    max_steps = 2 * (last_arrival + sum(s.n for s in w.specs) * MAX_MODEL_LEN + 10)
+
+    def truth(request_id: str, length: int) -> list[int]:
+        request = requests[request_id]
+        spec = specs[request.group_id]
+        return (spec.prompt + [spec.token(request.index, k) for k in range(length - len(spec.prompt))])[:length]
+
+    for step in range(max_steps):
+        for s in w.specs:
+            if s.arrival == step:
+                requests[s.request_id] = s.make_request()
+                sched.add_request(requests[s.request_id])
+        to_abort = [s.request_id for s in w.specs if s.abort_at == step and s.request_id in requests]
+        for r in sched.abort_requests(to_abort):
+            aborted_at[r.group_id] = step
+        if not sched.has_unfinished_requests() and not in_flight and step >= last_arrival:
+            break
+        if len(in_flight) < 2 and (not in_flight or sched.can_schedule_ahead()):
+            out = sched.schedule()
+            if not out.is_empty:
+                cache.apply(out)
+                new = {n.request_id for n in out.new_requests}
+                sampled = {}
+                for b in worker.update(out):
+                    if b.pending_token:
+                        b.token_ids[-1] = last_sampled[b.request_id]
+                    end = b.num_computed_tokens + b.num_tokens
+                    expected = truth(b.request_id, end)
+                    assert b.token_ids == expected[b.num_computed_tokens:], b.request_id
+                    check_from = 0 if b.request_id in new else max(b.num_computed_tokens - bs, 0)
+                    cache.check_and_write(b, expected, sched.kv_cache_manager.req_to_blocks[b.request_id],
+                                          check_from)
+                    if b.needs_sample:
+                        request = requests[b.request_id]
+                        k = end - request.num_prompt_tokens
+                        sampled[b.request_id] = [specs[request.group_id].token(request.index + j, k)
+                                                 for j in range(b.num_samples)]
+                last_sampled = {rid: tokens[0] for rid, tokens in sampled.items()}
+                in_flight.append((out, sampled))
+                check_blocks(sched)
+                if len(in_flight) < 2:
+                    continue  # as the engine: the first batch is not collected before a second is submitted
+        if in_flight:
+            out, sampled = in_flight.popleft()
+            updated, _ = sched.update_from_output(out, sampled)
+            for request in updated:
+                requests.setdefault(request.request_id, request)  # forks
+        check_blocks(sched)
+    else:
+        raise AssertionError("no progress")
+    return sched, requests, aborted_at
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_async_scheduling_on_random_workloads(w):
+    """Every request ends with the tokens the fake model gives it (a prefix of them if aborted), every computed
+    position holds the right token, and every block comes back, with preemption, swaps, prefix hits, n > 1 and
+    aborts in the mix."""
+    from test_scheduler_invariants import MAX_MODEL_LEN
+
+    sched, requests, aborted_at = run_async_workload(w)
+    kv = sched.kv_cache_manager
+    kv.finish_step()
+    assert kv.block_pool.num_free_blocks == kv.num_blocks and kv.req_to_blocks == {} and not sched.in_flight
+    assert sched.requests == {} and not sched.running and not sched.waiting
+    specs = {spec.request_id: spec for spec in w.specs}
+    for request in requests.values():
+        want, reason = specs[request.group_id].expected(MAX_MODEL_LEN, request.index)
+        if request.finish_reason == "abort":
+            assert request.group_id in aborted_at and request.output_token_ids == want[:request.num_output_tokens]
+        else:
+            assert (request.output_token_ids, request.finish_reason) == (want, reason), request.request_id
