@@ -296,9 +296,11 @@ class Scheduler:
         return True
 
     def _land(self, output: SchedulerOutput) -> None:
-        """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them."""
+        """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them (that
+        one starts later in the sequence). `output` may be a copy (it travelled to a worker process and back)."""
         for scheduled in output.scheduled:
-            if self.in_flight.get(scheduled.request_id) is scheduled:
+            flight = self.in_flight.get(scheduled.request_id)
+            if flight is not None and flight.num_computed_tokens <= scheduled.num_computed_tokens:
                 del self.in_flight[scheduled.request_id]
 
     def _preemptible(self, candidates: list[Request]) -> list[Request]:
