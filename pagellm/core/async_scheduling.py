@@ -4,13 +4,14 @@ the accelerator never waits for the CPU to apply N's results and prepare N+1 (MI
 
 A request in batch N may go into N+1 when what it computes next does not depend on N's results. The next chunk of a
 prompt never does. A decode does only through the token N samples: N+1 computes it blind (the worker takes it from
-N's sampled tokens on the device), unless the token decides more than its own K/V. It does for beams (the group
-picks the next tokens), grammars (N+1's bitmask needs the grammar advanced by it), the first sample of an n > 1
-request (it forks) and bad words (whether a bad word's prefix ends the output is decided on the host, which does
-not have the token yet). Such a request waits for N, and the engine then collects N before scheduling (no batch
-leaves it behind). Penalties and min_tokens do not make a request wait: the worker counts the token in flight
-itself (see worker/sampling_inputs.py). If N's token ends the request (EOS, a stop token or string), N+1's work for
-it is dropped: one token's compute, where a synchronous step would have waited for the CPU.
+N's sampled tokens on the device), unless the host must see the token first. It must for beams (the group picks
+the next tokens), the first sample of an n > 1 request (it forks) and bad words (whether a bad word's prefix ends
+the output is decided on the host). Such a request waits for N, and the engine then collects N before scheduling
+(no batch leaves it behind). Penalties and min_tokens do not make a request wait: the worker counts the token in
+flight itself (see worker/sampling_inputs.py). Nor do grammars: N+1's forward pass runs blind, and its sampling
+waits for the bitmask, computed once N's tokens have advanced the grammars (see engine/core.py). If N's token ends
+the request (EOS, a stop token or string, a complete grammar), N+1's work for it is dropped: one token's compute,
+where a synchronous step would have waited for the CPU.
 """
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from pagellm.core.sched_output import ScheduledRequest
 
 def may_sample_blind(request: Request, flight: ScheduledRequest) -> bool:
     """Whether the request's next step may run before the token its batch in flight samples is known here."""
-    return (flight.num_samples == 1 and request.beam_group is None and request.structured_output_request is None
-            and not request.bad_words_token_ids)
+    return flight.num_samples == 1 and request.beam_group is None and not request.bad_words_token_ids
 
 
 def tokens_after_flight(request: Request, flight: ScheduledRequest, max_model_len: int) -> int | None:

@@ -329,12 +329,20 @@ class Scheduler:
     def start_grammar_bitmask(self, output: SchedulerOutput) -> Future[np.ndarray] | None:
         """Start computing the allowed tokens of the step's constrained sequences (one packed row each, in
         `structured_output_request_ids` order) on the manager's bitmask thread; None when there are none. Their
-        grammars only advance once the step's results are applied, so nothing changes them meanwhile."""
+        grammars only advance once the step's results are applied, so nothing changes them meanwhile. With async
+        scheduling a step whose constrained sequences continue blind asks only once the step before is applied;
+        a sequence that step finished gets no grammar (its row allows everything; its token is dropped)."""
         if not output.structured_output_request_ids:
             return None
         return self.structured_output_manager.submit_bitmask(
-            [self.requests[request_id].structured_output_request.grammar
+            [self.requests[request_id].structured_output_request.grammar if request_id in self.requests else None
              for request_id in output.structured_output_request_ids])
+
+    def needs_late_bitmask(self, output: SchedulerOutput) -> bool:
+        """Async scheduling: whether a constrained sequence of `output` continues blind, so that its bitmask needs
+        the grammar advanced by the token of the batch still in flight."""
+        constrained = set(output.structured_output_request_ids)
+        return any(s.pending_token and s.request_id in constrained for s in output.scheduled)
 
     def _preempt_for_priority(self, output: SchedulerOutput) -> None:
         """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its

@@ -47,6 +47,9 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling keeps the next batch queued behind the running one (see core/async_scheduling.py).
         self.max_in_flight = 2 if self.async_scheduling else self.executor.max_concurrent_batches
+        # Async scheduling: the newest batch, submitted up to its sampling, whose constrained sequences wait for the
+        # batch before it to be applied (their bitmask needs the grammars advanced by its tokens).
+        self._sample_later: SchedulerOutput | None = None
 
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
         self.scheduler.add_request(request, beam_group)
@@ -82,9 +85,13 @@ class EngineCore:
             # worker times that itself (prepare_inputs, forward, sample).
             self.step_timings.add({"schedule": time.perf_counter() - start})
             if not output.is_empty:
-                # The constrained sequences' bitmask is computed while the workers run the forward pass; the rank
-                # that samples waits for it only then (vLLM's split of execute_model and sample_tokens).
-                self.executor.submit_model(output, self.scheduler.start_grammar_bitmask(output))
+                if self._in_flight and self.scheduler.needs_late_bitmask(output):
+                    self.executor.submit_forward(output)
+                    self._sample_later = output
+                else:
+                    # The constrained sequences' bitmask is computed while the workers run the forward pass; the
+                    # rank that samples waits for it only then (vLLM's split of execute_model and sample_tokens).
+                    self.executor.submit_model(output, self.scheduler.start_grammar_bitmask(output))
                 self._in_flight.append(output)
             if not output.is_empty and len(self._in_flight) < self.max_in_flight:
                 return EngineCoreOutputs()
@@ -105,11 +112,13 @@ class EngineCore:
             raise  # a worker is gone: nothing to recover
         except Exception as exc:
             self._recover_from_failed_step(output, exc)
+            self._sample_late_batch()
             return EngineCoreOutputs(failed=self.scheduler.take_failed_groups())
         self._consecutive_failed_steps = 0
         collected = time.perf_counter()
         updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
                                                        result.prompt_logprobs, result.failed)
+        self._sample_late_batch()
         outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],
                                     failed=self.scheduler.take_failed_groups())
         if outputs.failed:
@@ -119,6 +128,13 @@ class EngineCore:
         self.step_timings.num_steps += 1
         self.step_timings.add({"update": time.perf_counter() - collected, **result.phase_seconds})
         return outputs
+
+    def _sample_late_batch(self) -> None:
+        """The batch before the one waiting to sample is applied: its grammars have advanced, so the waiting one's
+        bitmask can be computed and the batch sampled (before anything else is scheduled)."""
+        if self._sample_later is not None:
+            output, self._sample_later = self._sample_later, None
+            self.executor.sample_submitted(self.scheduler.start_grammar_bitmask(output))
 
     def _recover_from_failed_step(self, output: SchedulerOutput, exc: Exception) -> None:
         """The step failed as a whole: fail the requests it held (their K/V may be half written) and check the

@@ -72,6 +72,15 @@ class Executor(ABC):
         except Exception as exc:  # raised when the step is collected, as an asynchronous executor would
             self._submitted.append(exc)
 
+    def submit_forward(self, output: SchedulerOutput) -> None:
+        """Async scheduling: start a step whose constrained sequences continue blind, up to their sampling (their
+        bitmask needs the step before applied first); `sample_submitted` finishes it. One rank in this process."""
+        raise NotImplementedError("Async scheduling runs on the uni executor only.")
+
+    def sample_submitted(self, bitmask: Future[np.ndarray]) -> None:
+        """Sample the newest step `submit_forward` started, under `bitmask`."""
+        raise NotImplementedError("Async scheduling runs on the uni executor only.")
+
     def collect_model_output(self) -> ModelRunnerOutput:
         """The result of the oldest submitted step (raises what the step raised)."""
         result = self._submitted.popleft()

@@ -8,10 +8,15 @@ import numpy as np
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
+from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunnerOutput
 from pagellm.worker.worker import Worker
+
+
+# A submitted step whose sampling waits for `sample_submitted`.
+_AWAITING_SAMPLE = object()
 
 
 class UniProcExecutor(Executor):
@@ -28,3 +33,21 @@ class UniProcExecutor(Executor):
         # The forward pass runs on this thread while the bitmask is computed on the structured-output manager's.
         result = self.worker.execute_model(output)
         return result if result is not None else self.worker.sample_tokens(GrammarOutput.from_future(bitmask))
+
+    def submit_forward(self, output: SchedulerOutput) -> None:
+        try:
+            result = self.worker.execute_model(output)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # raised when the step is collected
+            result = exc
+        self._submitted.append(_AWAITING_SAMPLE if result is None else result)
+
+    def sample_submitted(self, bitmask: Future[np.ndarray]) -> None:
+        index = len(self._submitted) - 1
+        if self._submitted[index] is not _AWAITING_SAMPLE:
+            return  # the forward pass failed: collecting the step raises that
+        try:
+            self._submitted[index] = self.worker.sample_tokens(GrammarOutput.from_future(bitmask))
+        except Exception as exc:
+            self._submitted[index] = exc

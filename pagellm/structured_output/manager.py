@@ -84,14 +84,16 @@ class StructuredOutputManager:
         nothing else to run does instead of spinning."""
         wait([r.compiled for r in requests if r.compiled is not None], timeout_s, return_when="FIRST_COMPLETED")
 
-    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar]) -> np.ndarray:
-        """One packed row of allowed tokens per grammar, in order."""
-        bitmask = np.empty((len(grammars), bitmask_words(self.vocab_size)), dtype=np.int32)
+    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> np.ndarray:
+        """One packed row of allowed tokens per grammar, in order; None (a request that finished while its next
+        step was already running, with async scheduling: that step's token is dropped) allows every token."""
+        bitmask = np.full((len(grammars), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
         for row, grammar in enumerate(grammars):
-            grammar.fill_bitmask(bitmask, row)
+            if grammar is not None:
+                grammar.fill_bitmask(bitmask, row)
         return bitmask
 
-    def submit_bitmask(self, grammars: list[StructuredOutputGrammar]) -> Future[np.ndarray]:
+    def submit_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> Future[np.ndarray]:
         """`grammar_bitmask(grammars)` on the bitmask thread. The grammars must not advance until it is done."""
         return self._bitmask_executor.submit(self.grammar_bitmask, grammars)
 

@@ -28,15 +28,24 @@ def sync_llm(model_dir) -> LLM:
 def async_llm(model_dir) -> LLM:
     llm = make_llm(model_dir, True)
     core = llm.llm_engine.engine_core
-    submit = core.executor.submit_model
-    llm.depths, llm.blind = [], []
+    submit, submit_forward = core.executor.submit_model, core.executor.submit_forward
+    llm.depths, llm.blind, llm.blind_constrained = [], [], []
 
-    def counting_submit(output, bitmask=None):
+    def record(output):
         llm.depths.append(len(core._in_flight) + 1)
         llm.blind.append(sum(s.pending_token for s in output.scheduled))
+        llm.blind_constrained.append(sum(s.pending_token for s in output.scheduled
+                                         if s.request_id in output.structured_output_request_ids))
+
+    def counting_submit(output, bitmask=None):
+        record(output)
         return submit(output, bitmask)
 
-    core.executor.submit_model = counting_submit
+    def counting_submit_forward(output):
+        record(output)
+        return submit_forward(output)
+
+    core.executor.submit_model, core.executor.submit_forward = counting_submit, counting_submit_forward
     return llm
 
 
@@ -97,6 +106,32 @@ def test_every_sampling_feature_gives_what_the_synchronous_engine_gives(sync_llm
     assert stopped[2] == "stop" and len(stopped[0]) <= 4
     no_leaks(async_llm)
     no_leaks(sync_llm)
+
+
+def test_grammars_continue_blind_and_outputs_stay_in_their_grammar(sync_llm, async_llm, make_token_prompts,
+                                                                   no_leaks):
+    """A constrained decode's next step runs blind too: its sampling waits for the bitmask of the grammar advanced
+    by the token in flight. Outputs match their grammars and the synchronous engine's."""
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    params = [SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+                  regex="[a-z]{3,8}( [a-z]{3,8}){2,4}")),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=60, structured_outputs=StructuredOutputsParams(
+                  json=schema, disable_any_whitespace=True)),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    prompts = make_token_prompts([9, 13, 6], seed=31)
+    expected = [o.outputs[0] for o in sync_llm.generate(prompts, params, use_tqdm=False)]
+    async_llm.blind_constrained.clear()
+    got = [o.outputs[0] for o in async_llm.generate(prompts, params, use_tqdm=False)]
+    assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in expected]
+    assert re.fullmatch("[a-z]{3,8}( [a-z]{3,8}){2,4}", got[0].text)
+    if got[1].finish_reason == "stop":
+        assert set(json.loads(got[1].text)) == {"name", "age"}
+    assert sum(async_llm.blind_constrained) >= 5
+    no_leaks(async_llm)
 
 
 def test_beam_search_gives_what_the_synchronous_engine_gives(sync_llm, async_llm, make_token_prompts, no_leaks):
