@@ -156,25 +156,31 @@ def test_async_scheduling_needs_one_rank_in_this_process(tiny_model_factory):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_submitting_a_step_never_waits_for_the_gpu(tiny_model_factory):
-    """What makes async scheduling overlap on a GPU: preparing and launching a step (greedy and seeded sampling,
-    top-k/top-p, logit bias) never synchronizes with the device; only collecting a step's tokens does."""
+    """What makes async scheduling overlap on a GPU: preparing, launching and sampling a step (greedy and seeded
+    sampling, top-k/top-p, logit bias, penalties, a grammar) never synchronizes with the device; only collecting a
+    step's tokens does."""
     from pagellm import LLM
+    from pagellm.sampling_params import StructuredOutputsParams
 
     llm = LLM(model=str(tiny_model_factory("llama")), device="cuda", max_model_len=128, async_scheduling=True,
               kv_cache_memory_bytes=16 << 20)
     executor = llm.llm_engine.engine_core.executor
-    submit = executor.submit_model
 
-    def strict_submit(output, bitmask=None):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return submit(output, bitmask)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def strict(call):
+        def wrapped(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return call(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return wrapped
 
-    executor.submit_model = strict_submit
+    for name in ("submit_model", "submit_forward", "sample_submitted"):
+        setattr(executor, name, strict(getattr(executor, name)))
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True,
-                             logit_bias={5: 2.0})]
-    outputs = llm.generate([{"prompt_token_ids": list(range(20, 60))}] * 2, params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [12, 12]
+                             logit_bias={5: 2.0}, repetition_penalty=1.2),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(
+                  regex="[a-z]{20}"))]
+    outputs = llm.generate([{"prompt_token_ids": list(range(20, 60))}] * 3, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs][:2] == [12, 12] and outputs[2].outputs[0].text.isalpha()

@@ -121,11 +121,10 @@ class Sampler:
                          disallowed: torch.Tensor) -> torch.Tensor:
         """A constrained row whose other parameters left no allowed token with a finite logit (a penalty that
         overflows, bans or min_tokens on every allowed token) samples NaN or a banned token: such a row takes its
-        most likely allowed token instead, so the output never leaves its grammar."""
+        most likely allowed token instead, so the output never leaves its grammar. Computed for every row, without
+        asking first whether any needs it: that question would wait for the device."""
         chosen = tokens if rows is None else tokens[rows]
         bad = disallowed.gather(1, chosen.unsqueeze(1)).squeeze(1)
-        if not bad.any():
-            return tokens
         fallback = (masked if rows is None else masked[rows]).argmax(dim=-1)
         chosen = torch.where(bad, fallback, chosen)
         if rows is None:
