@@ -30,6 +30,25 @@ MIN_PARTITION = 256  # tokens: shorter partitions cost more in the merge than th
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, table, cache_base, tokens, end, limits, dims, dim_mask,
+                 block_size, stride_cb, stride_cs, scale, PRECISION: tl.constexpr):
+    """One tile of keys (`tokens`, read through the block `table`) folded into the rows' online softmax: running
+    max `m_i`, sum `l_i` and output `acc`. Row r sees the tile's keys before `end` and up to `limits[r]`."""
+    valid = tokens < end
+    blocks = tl.load(table + tokens // block_size, mask=valid, other=0)
+    offsets = cache_base + blocks.to(tl.int64) * stride_cb + (tokens % block_size) * stride_cs
+    kv_mask = valid[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    scores = tl.where(valid[None, :] & (tokens[None, :] <= limits[:, None]), scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    v = tl.load(v_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_ptr, lse_ptr, scale,
                    stride_qb, stride_qh, stride_ch, stride_cb, stride_cs, stride_tb, stride_ob, stride_oh, stride_os,
                    stride_lb, stride_lh, block_size, partition_size, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -50,22 +69,11 @@ def _decode_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_ptr, lse
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     cache_base = kv_head.to(tl.int64) * stride_ch
+    limits = tl.zeros([GROUP_PAD], tl.int32) + end  # every query sees every key of the partition
     for tile in range(start, end, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)
-        valid = tokens < end
-        blocks = tl.load(block_tables + seq * stride_tb + tokens // block_size, mask=valid, other=0)
-        offsets = cache_base + blocks.to(tl.int64) * stride_cb + (tokens % block_size) * stride_cs
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, block_tables + seq * stride_tb, cache_base,
+                                     tile + tl.arange(0, BLOCK_N), end, limits, dims, dim_mask, block_size,
+                                     stride_cb, stride_cs, scale, PRECISION)
     out_rows = seq * stride_ob + heads * stride_oh + split * stride_os
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if SPLIT:
@@ -172,23 +180,11 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, tile_chunks, tile_sta
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     cache_base = (head // GROUP).to(tl.int64) * stride_ch
     end = tl.minimum(context_len + query_len, context_len + first_row + BLOCK_M)  # past the tile's last query
+    # Token 0 is in every row's first tile, so no row is all -inf there.
     for start in range(0, end, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        valid = tokens < end
-        blocks = tl.load(block_tables + chunk * stride_tb + tokens // block_size, mask=valid, other=0)
-        offsets = cache_base + blocks.to(tl.int64) * stride_cb + (tokens % block_size) * stride_cs
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        # Token 0 is in every row's first tile, so no row is all -inf there.
-        scores = tl.where(valid[None, :] & (tokens[None, :] <= positions[:, None]), scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_cache + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache, v_cache, block_tables + chunk * stride_tb,
+                                     cache_base, start + tl.arange(0, BLOCK_N), end, positions, dims, dim_mask,
+                                     block_size, stride_cb, stride_cs, scale, PRECISION)
     out_offsets = (query_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptr + out_offsets, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & dim_mask[None, :])

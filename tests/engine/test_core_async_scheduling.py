@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from engine_steps import step_until_done
-from test_fault_isolation import PARAMS, fail_sampling_of, run, used_blocks
+from test_fault_isolation import PARAMS, fail_nth_call, fail_sampling_of, run, used_blocks
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
@@ -60,16 +60,7 @@ def test_a_failed_step_fails_its_requests_and_their_blind_next_step_reads_no_sta
     that request continuing blind, finds no sampled token for it (none is left over from earlier steps) and fails
     it too; the request waiting behind it then runs as it would have."""
     expected, _ = run(engine, ["greedy", "seeded"])
-    model_runner = engine.engine_core.executor.worker.model_runner
-    forward, calls = model_runner._forward, []
-
-    def fails_once(inputs):
-        calls.append(inputs)
-        if len(calls) == 3:
-            raise RuntimeError("injected device error")
-        return forward(inputs)
-
-    monkeypatch.setattr(model_runner, "_forward", fails_once)
+    fail_nth_call(monkeypatch, engine.engine_core.executor.worker.model_runner, "_forward")
     monkeypatch.setattr(engine.engine_core.scheduler.config, "max_num_seqs", 1)  # "seeded" waits behind "greedy"
     batches = record_batches(engine, monkeypatch)
     executor, results = engine.engine_core.executor, []

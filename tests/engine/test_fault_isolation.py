@@ -58,6 +58,21 @@ def fail_sampling_of(monkeypatch, engine: LLMEngine, group_id: str, from_sample:
     monkeypatch.setattr(model_runner, "_sample_rows", faulty)
 
 
+def fail_nth_call(monkeypatch, owner, name: str, n: int = 3) -> list:
+    """Make `owner.name` raise RuntimeError("injected device error") on its n-th call; returns the first argument
+    of every call."""
+    call, seen = getattr(owner, name), []
+
+    def failing(first, *rest):
+        seen.append(first)
+        if len(seen) == n:
+            raise RuntimeError("injected device error")
+        return call(first, *rest)
+
+    monkeypatch.setattr(owner, name, failing)
+    return seen
+
+
 def run(engine: LLMEngine, names) -> tuple[dict[str, list[list[int]]], dict[str, str]]:
     """Add the named requests, step until done; returns (token ids of each finished sequence, failures)."""
     for name in names:
@@ -130,17 +145,7 @@ def test_output_building_failure_fails_that_request_only(engine, monkeypatch):
 
 def test_a_failed_step_fails_only_the_requests_it_held(engine, monkeypatch):
     expected, _ = run(engine, ["greedy", "seeded"])
-    model_runner = runner(engine)
-    execute = model_runner.execute_model
-    seen = []
-
-    def fails_once(output):
-        seen.append(output)
-        if len(seen) == 3:
-            raise RuntimeError("injected device error")
-        return execute(output)
-
-    monkeypatch.setattr(model_runner, "execute_model", fails_once)
+    seen = fail_nth_call(monkeypatch, runner(engine), "execute_model")
     # One request per step: the other waits through the failure.
     monkeypatch.setattr(engine.engine_core.scheduler.config, "max_num_seqs", 1)
     tokens, failures = run(engine, ["greedy", "seeded"])
