@@ -82,10 +82,10 @@ def test_a_request_that_fails_in_the_engine_fails_alone(engine, monkeypatch):
     runner = engine.engine_core.executor.worker.model_runner
     sample_rows = runner._sample_rows
 
-    def faulty(logits, requests, rows):
+    def faulty(logits, requests, rows, *rest):
         if any(requests[row].prompt_token_ids == marker for row in rows):
             raise RuntimeError("injected fault")
-        return sample_rows(logits, requests, rows)
+        return sample_rows(logits, requests, rows, *rest)
 
     good = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with app_client(engine) as client:
