@@ -234,7 +234,7 @@ def run_async_workload(w) -> tuple[Scheduler, dict, dict[str, int]]:
     return sched, requests, aborted_at
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_async_scheduling_on_random_workloads(w):
     """Every request ends with the tokens the fake model gives it (a prefix of them if aborted), every computed
