@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from pagellm.benchmarks.random_gguf import SPECIALS, byte_level_vocab
+
 # Real models' configurations (Hugging Face names); the vocabulary sizes are theirs, so the LM head costs what it
 # costs in the real model.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -30,7 +32,6 @@ SHAPES = {
                            rope_theta=10000.0, max_position_embeddings=2048),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -70,9 +71,8 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def write_tokenizer(output: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    tokens = SPECIALS + sorted(bytes_to_unicode().values()) + ["Ġt"]  # one merge: tokenizers want at least one
+    tokens = byte_level_vocab()
     tokens += [f"<filler_{i}>" for i in range(vocab_size - len(tokens))]
     backend = Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, [("Ġ", "t")]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

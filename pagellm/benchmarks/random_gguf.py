@@ -25,6 +25,14 @@ K_MIXES = {"Q3_K_M": T.Q3_K, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K}  # llama.cpp's 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def byte_level_vocab() -> list[str]:
+    """The special tokens, the 256 byte tokens of a byte-level BPE and the one merge's token (tokenizers want at
+    least one merge)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return SPECIALS + sorted(bytes_to_unicode().values()) + ["Ġt"]
+
+
 def mix_types(mix: str, layer: int) -> dict[str, GGMLQuantizationType]:
     """Each projection's type in `layer`: Q4_K_M (Q5_K_M) gives v and ffn_down Q6_K in every other layer (llama.cpp
     gives them to about half the layers) and the rest Q4_K (Q5_K); Q3_K_M gives v, the attention output and ffn_down
@@ -53,9 +61,7 @@ def run(args: argparse.Namespace) -> int:
     hidden, intermediate, heads, kv_heads = SHAPES[args.shape]
     head_dim = hidden // heads
     rng = np.random.default_rng(args.seed)
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    vocab = SPECIALS + sorted(bytes_to_unicode().values()) + ["Ġt"]  # one merge: tokenizers want at least one
+    vocab = byte_level_vocab()
     writer = GGUFWriter(str(args.output), "llama")
     writer.add_name(f"random {args.shape} {args.mix}")
     writer.add_context_length(4096)

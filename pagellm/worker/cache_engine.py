@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import torch
 
 from pagellm.config import CacheConfig, ModelConfig
+from pagellm.model_executor.host_copy import tensor_on
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, tensor_parallel_size: int = 1,
@@ -72,7 +73,7 @@ class CacheEngine:
         self._require_host_pool()
         device_ids, host_ids = zip(*blocks_to_swap_out)
         with self._on_swap_stream():
-            device_index = self._device_index(device_ids)
+            device_index = tensor_on(device_ids, torch.int64, self.device)  # once per swap, for every layer
             gathered = [self._to_host(kv.index_select(2, device_index)) for kv in self.kv_caches]
         if self._on_cuda:
             self._swap_done.synchronize()  # the CPU scatter below reads what the transfers wrote
@@ -90,7 +91,7 @@ class CacheEngine:
         host_index = torch.tensor(host_ids)
         staged = [gather_blocks(host_kv, host_index, pin=self._on_cuda) for host_kv in self.host_caches]
         with self._on_swap_stream():
-            device_index = self._device_index(device_ids)
+            device_index = tensor_on(device_ids, torch.int64, self.device)  # once per swap, for every layer
             for kv, blocks in zip(self.kv_caches, staged):
                 kv.index_copy_(2, device_index, blocks.to(self.device, non_blocking=True))
 
@@ -105,13 +106,6 @@ class CacheEngine:
     def _require_host_pool(self) -> None:
         if not self.num_host_blocks:
             raise ValueError("A swap was requested, but this cache has no host blocks (swap_space is 0).")
-
-    def _device_index(self, block_ids: tuple[int, ...]) -> torch.Tensor:
-        """The block ids as an index tensor on the device, built once per swap and shared by every layer."""
-        index = torch.tensor(block_ids)
-        if not self._on_cuda:
-            return index
-        return index.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, blocks: torch.Tensor) -> torch.Tensor:
         """Device blocks copied into pinned host staging, asynchronously (on CPU they are already there)."""
