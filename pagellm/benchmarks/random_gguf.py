@@ -20,7 +20,7 @@ SHAPES = {"tinyllama-1.1b": (2048, 5632, 32, 4), "llama-3.2-1b": (2048, 8192, 32
           "llama-3-8b": (4096, 14336, 32, 8)}
 # Byte offsets of the float16 scales (d, dmin) in each block type this writer uses.
 SCALE_OFFSETS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,),
-                 T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,)}
+                 T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}
 K_MIXES = {"Q3_K_M": T.Q3_K, "Q4_K_M": T.Q4_K, "Q5_K_M": T.Q5_K}  # llama.cpp's _M mixes: their main type
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -3,9 +3,10 @@
  * target attribute, chosen at run time).
  *
  * A block holds 32 weights: a float16 scale d, a float16 minimum m (Q4_1, Q5_1), a 32-bit word of fifth bits qh
- * (Q5_0, Q5_1), then the quants qs (16 bytes of nibbles, or 32 int8 for Q8_0).
+ * (Q5_0, Q5_1), then the quants qs (16 bytes of nibbles, or 32 int8 for Q8_0). IQ4_NL stores Q4_0's fields, but
+ * a nibble indexes a fixed table of 16 non-uniform levels (kvalues_iq4nl) instead of being q - 8.
  *
- * K-quants (256 weights per super-block, read plain) are decoded in ggml_k_quants.h.
+ * K-quants and IQ4_XS (256 weights per super-block, read plain) are decoded in ggml_k_quants.h.
  *
  * Two layouts of a matrix of 32-weight blocks, both rows x row_bytes bytes in all:
  * - plain: each row a run of blocks, exactly as in the GGUF file;
@@ -28,16 +29,22 @@
 
 /* ggml's type ids (GGMLQuantizationType). */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
-       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
 
-static inline int is_block_type(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
+/* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a weight is its scale times the level its nibble picks. */
+static const int8_t iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline int is_block_type(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_IQ4_NL;
+}
+static inline int signed_levels(int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* levels < 0 */
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 static inline int has_min(int t) { return t == T_Q4_1 || t == T_Q5_1; }
 static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
 static inline int quant_bytes(int t) { return t == T_Q8_0 ? 32 : 16; }
 static inline int64_t block_bytes(int t) { return 2 + 2 * has_min(t) + 4 * five_bit(t) + quant_bytes(t); }
 static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; } /* float types */
-static inline int is_k_type(int t) { return t >= T_Q2_K && t <= T_Q6_K; }
+static inline int is_k_type(int t) { return (t >= T_Q2_K && t <= T_Q6_K) || t == T_IQ4_XS; } /* super-blocks */
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -100,6 +107,13 @@ static void dequant_block_scalar(int type, block_ref ref, float *dst) {
         for (int j = 0; j < 32; j++) dst[j] = (float)(int8_t)qs[j] * d;
         return;
     }
+    if (type == T_IQ4_NL) {
+        for (int j = 0; j < 16; j++) {
+            dst[j] = d * (float)iq4_levels[qs[j] & 0x0f];
+            dst[j + 16] = d * (float)iq4_levels[qs[j] >> 4];
+        }
+        return;
+    }
     const uint32_t qh = five_bit(type) ? load_u32(ref.qh) : 0;
     for (int j = 0; j < 16; j++) {
         int lo = qs[j] & 0x0f, hi = qs[j] >> 4;
@@ -127,6 +141,41 @@ AVX2 static inline float half_avx2(const uint8_t *p) { return _cvtsh_ss(load_u16
 /* 8 bytes at the low half of v as 8 floats, signed or unsigned. */
 AVX2 static inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
+/* IQ4_NL / IQ4_XS: 16 bytes of nibbles as their 32 levels in element order (low nibbles, then high), as bytes:
+ * the bytes broadcast to both halves, the high half shifted, one in-lane table lookup (vpshufb). */
+AVX2 static inline __m256i iq4_level_bytes(const uint8_t *qs) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4_levels));
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    const __m256i nibbles = _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xf0), _mm256_set1_epi8(0x0f));
+    return _mm256_shuffle_epi8(table, nibbles);
+}
+
+/* The same levels as four vectors of 8 floats in a strided order: lane i of f[j] is element 4i + j, each byte of
+ * a 32-bit lane sign-extended by two shifts (a widening per 8 bytes would take the shuffle unit four more times
+ * per block). Dot products read activations permuted to match (iq4_permute_activations). */
+AVX2 static inline __attribute__((always_inline)) void iq4_levels_strided(const uint8_t *qs, __m256 f[4]) {
+    const __m256i v = iq4_level_bytes(qs);
+    f[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+    f[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
+    f[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
+    f[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+}
+
+/* The levels in element order (for dequantization): elements 8p..8p + 7 in f[p]. */
+AVX2 static inline __attribute__((always_inline)) void iq4_levels_in_order(const uint8_t *qs, __m256 f[4]) {
+    const __m256i v = iq4_level_bytes(qs);
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    f[0] = i8_to_ps(lo), f[1] = i8_to_ps(_mm_srli_si128(lo, 8)), f[2] = i8_to_ps(hi), f[3] = i8_to_ps(_mm_srli_si128(hi, 8));
+}
+
+/* Activations in iq4_levels_strided's order: within each 32, position 8j + i holds element 4i + j. */
+static inline void iq4_permute_activations(const float *x, int64_t m, int64_t ldx, int64_t k, float *dst) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < k; b += 32)
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < 8; i++) dst[r * k + b + 8 * j + i] = x[r * ldx + b + 4 * i + j];
+}
+
 /* ggml's offset of a type without a minimum: its weights are d (q - offset). */
 static inline int level_offset(int t) { return t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0; }
 
@@ -138,6 +187,10 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
                                                                     const int with_offset) {
     if (type == T_Q8_0) {
         for (int p = 0; p < 4; p++) f[p] = i8_to_ps(_mm_loadl_epi64((const __m128i *)(ref.qs + 8 * p)));
+        return;
+    }
+    if (type == T_IQ4_NL) { /* in element order, for dequantization (the dot products use the strided order) */
+        iq4_levels_in_order(ref.qs, f);
         return;
     }
     const __m256i low = _mm256_set1_epi32(0x0f);
@@ -162,10 +215,11 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
 
 /* ---- levels as bytes, for integer dot products (int8 activations) ---- */
 
-/* The block's 32 levels as bytes in element order: unsigned (without ggml's offset) for the nibble types, the
- * signed quants for Q8_0. Q5's fifth bits: every byte picks its qh byte, keeps its own bit, turns it into 0x10. */
+/* The block's 32 levels as bytes in element order: unsigned (without ggml's offset) for the nibble types, signed
+ * for Q8_0 and IQ4_NL. Q5's fifth bits: every byte picks its qh byte, keeps its own bit, turns it into 0x10. */
 AVX2 static inline __attribute__((always_inline)) __m256i block_level_bytes(const int type, block_ref ref) {
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)ref.qs);
+    if (type == T_IQ4_NL) return iq4_level_bytes(ref.qs);
     const __m128i qs = _mm_loadu_si128((const __m128i *)ref.qs);
     __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0f));
     if (five_bit(type)) {

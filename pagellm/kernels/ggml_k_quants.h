@@ -9,6 +9,8 @@
  *   weight = (d (sc - 32)) (q - 4 (high bit clear)).
  * - Q2_K: 16 bytes of 4-bit scales and minimums for sub-blocks of 16, 64 of bit pairs, d, dmin;
  *   weight = (d sc) q - (dmin m).
+ * - IQ4_XS: d, 16 bits and 4 bytes of 6-bit scales for eight sub-blocks of 32 (two high bits, a nibble each),
+ *   128 bytes of nibbles laid out as IQ4_NL's; weight = (d (sc - 32)) level[q] (ggml_blocks.h's iq4_levels).
  * Q2_K, Q3_K and Q6_K share a shape: 128-weight halves whose quarters j take bits of the same 32 (or 64) bytes.
  */
 #ifndef PAGELLM_GGML_K_QUANTS_H
@@ -16,7 +18,7 @@
 #include "ggml_blocks.h"
 
 static inline int64_t super_block_bytes(int t) {
-    return t == T_Q2_K ? 84 : t == T_Q3_K ? 110 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : 210;
+    return t == T_Q2_K ? 84 : t == T_Q3_K ? 110 : t == T_Q4_K ? 144 : t == T_Q5_K ? 176 : t == T_IQ4_XS ? 136 : 210;
 }
 static inline int is_k_nibble_type(int t) { return t == T_Q4_K || t == T_Q5_K; } /* scales and minimums */
 static inline int k_nibbles_at(int t) { return t == T_Q5_K ? 48 : 16; } /* where Q4_K / Q5_K keep their nibbles */
@@ -45,9 +47,26 @@ static inline void q3k_scales(const uint8_t *sb, int8_t scales[16]) {
     for (int j = 0; j < 16; j++) scales[j] = (int8_t)(scales[j] - 32);
 }
 
+/* IQ4_XS: the scale of sub-block j (0..7) less 32: a nibble of the 4 bytes at sb + 4, two bits of the word at 2. */
+static inline int iq4xs_scale(const uint8_t *sb, int j) {
+    return (((sb[4 + j / 2] >> (4 * (j & 1))) & 0x0f) | (((load_u16(sb + 2) >> (2 * j)) & 3) << 4)) - 32;
+}
+
 /* A K-quant super-block as 256 floats, ggml's arithmetic: Q4_K and Q5_K (d sc) q - (dmin m), Q6_K (d sc) (q - 32),
- * Q3_K (d sc) q with q = (two bits) - 4 unless the high bit is set. */
+ * Q3_K (d sc) q with q = (two bits) - 4 unless the high bit is set, IQ4_XS (d sc) level[q]. */
 static void dequant_super_block_scalar(int type, const uint8_t *sb, float *dst) {
+    if (type == T_IQ4_XS) {
+        const float d = fp16_to_fp32(load_u16(sb));
+        for (int j = 0; j < 8; j++, dst += 32) {
+            const float dl = d * (float)iq4xs_scale(sb, j);
+            const uint8_t *q = sb + 8 + 16 * j;
+            for (int l = 0; l < 16; l++) {
+                dst[l] = dl * (float)iq4_levels[q[l] & 0x0f];
+                dst[l + 16] = dl * (float)iq4_levels[q[l] >> 4];
+            }
+        }
+        return;
+    }
     if (type == T_Q2_K) { /* as Q3_K: halves n, quarters j of bit pairs, two sub-blocks of 16 each */
         const float d = fp16_to_fp32(load_u16(sb + 80)), dmin = fp16_to_fp32(load_u16(sb + 82));
         for (int n = 0; n < 2; n++)
@@ -245,8 +264,32 @@ AVX2 static inline __attribute__((always_inline)) void q2k_scales(const uint8_t 
     dmin_m[1] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(m, 8))));
 }
 
+/* IQ4_XS: the eight sub-block scales less 32 (iq4xs_scale), as int32 lanes. */
+AVX2 static inline __m256i iq4xs_scales(const uint8_t *sb) {
+    const __m256i low = _mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(sb + 4)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(load_u16(sb + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i scales = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
+                                           _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));
+    return _mm256_sub_epi32(scales, _mm256_set1_epi32(32));
+}
+
+/* IQ4_XS: the eight sub-block scales times d, as ggml rounds them (d * sc). */
+AVX2 static inline __m256 iq4xs_d_scales(const uint8_t *sb) {
+    return _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb)), _mm256_cvtepi32_ps(iq4xs_scales(sb)));
+}
+
 /* A K-quant super-block as 256 floats, bit-identical to dequant_super_block_scalar. */
 AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, float *dst) {
+    if (type == T_IQ4_XS) {
+        float scale[8];
+        _mm256_storeu_ps(scale, iq4xs_d_scales(sb));
+        for (int j = 0; j < 8; j++, dst += 32) {
+            __m256 levels[4];
+            iq4_levels_in_order(sb + 8 + 16 * j, levels);
+            for (int p = 0; p < 4; p++) _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(_mm256_set1_ps(scale[j]), levels[p]));
+        }
+        return;
+    }
     if (type == T_Q2_K) {
         __m256 d_sc[2], dmin_m[2];
         q2k_scales(sb, d_sc, dmin_m);

@@ -25,8 +25,8 @@ _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 T = GGMLQuantizationType
 # Storage types the kernel multiplies with directly; those made of 32-weight blocks are stored interleaved.
-BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
-SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}) | BLOCK_TYPES
+BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL})
+SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}) | BLOCK_TYPES
 
 
 @cache

@@ -1,5 +1,5 @@
 /* y = x W^T on the CPU with W kept in its GGUF storage type: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
- * Q3_K, Q4_K, Q5_K, Q6_K.
+ * Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS.
  *
  * Arithmetic: by default activations stay float32 (never quantized, unlike llama.cpp) and every product is
  * accumulated in float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float
@@ -173,6 +173,7 @@ AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int6
     FUSED_TYPE(T_F32) FUSED_TYPE(T_F16) FUSED_TYPE(T_BF16)
     FUSED_TYPE(T_Q4_0) FUSED_TYPE(T_Q4_1) FUSED_TYPE(T_Q5_0) FUSED_TYPE(T_Q5_1) FUSED_TYPE(T_Q8_0)
     FUSED_TYPE(T_Q2_K) FUSED_TYPE(T_Q3_K) FUSED_TYPE(T_Q4_K) FUSED_TYPE(T_Q5_K) FUSED_TYPE(T_Q6_K)
+    FUSED_TYPE(T_IQ4_NL) FUSED_TYPE(T_IQ4_XS)
     }
 #undef FUSED_TYPE
 }
@@ -241,13 +242,20 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     const int64_t small = int8 ? (is_k_type(w->type) ? m : INT8_MAX_ROWS)
                                : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS;
     if (w->use_avx2 && m <= small && k % 32 == 0) {
-        /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows */
-        float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32 : 3 * sizeof(float)));
+        /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows, or
+         * (IQ4, float32 activations) the activations permuted to the order its levels are decoded in */
+        const int permuted = !int8 && (w->type == T_IQ4_NL || w->type == T_IQ4_XS);
+        float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32
+                                                            : (3 + 32 * permuted) * sizeof(float)));
         if (xsum == NULL) return -2;
         float *xsum16 = xsum + m * (k / 32);
         float *scale = xsum16 + m * (k / 16);
         int16_t *qsum16 = (int16_t *)(scale + m * (k / 32));
         int8_t *q = (int8_t *)(qsum16 + m * (k / 16));
+        if (permuted) {
+            iq4_permute_activations(x, m, ldx, k, scale);
+            x = scale, ldx = k;
+        }
         const int64_t group = q8_group(w->type);
         const int offsets = w->type == T_Q3_K || w->type == T_Q6_K; /* int8 sums of 16 needed */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (m > 2 * FUSED_MAX_M)

@@ -10,6 +10,13 @@
  * (always_inline with constants).
  */
 
+/* A block's levels for a dot product, without ggml's offset: in element order, but IQ4_NL's in the strided order
+ * its activations were permuted to (matmul_into). */
+AVX2 static inline __attribute__((always_inline)) void dot_levels(const int type, block_ref ref, __m256 f[4]) {
+    if (type == T_IQ4_NL) iq4_levels_strided(ref.qs, f);
+    else block_levels(type, ref, f, 0);
+}
+
 /* A float type's 32 values (block `ref`) as four vectors of 8. */
 AVX2 static inline __attribute__((always_inline)) void float_block(const int type, block_ref ref, __m256 f[4]) {
     for (int p = 0; p < 4; p++) {
@@ -52,7 +59,7 @@ AVX2 static inline __attribute__((always_inline)) void fused_rows(const int type
                         acc[i][p] = _mm256_fmadd_ps(f[p], _mm256_loadu_ps(xb + i * ldx + 8 * p), acc[i][p]);
                 continue;
             }
-            block_levels(type, ref, f, 0);
+            dot_levels(type, ref, f);
             const float d = half_avx2(ref.d), mn = has_min(type) ? half_avx2(ref.m) : -(float)level_offset(type) * d;
             const __m256 dv = _mm256_set1_ps(d);
             for (int i = 0; i < m; i++) {
@@ -120,7 +127,7 @@ AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type
         }
         for (int i = 0; i < 4; i++) {
             __m256 f[4];
-            block_levels(type, group_block(type, group, i), f, 0);
+            dot_levels(type, group_block(type, group, i), f);
             const __m256 d = lane_broadcast(ds, i);
             for (int a = 0; a < m; a++) {
                 const float *xb = x + a * ldx + 32 * b;
@@ -163,6 +170,20 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
         }
         for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
             __m256 f[4];
+            if (type == T_IQ4_XS) { /* eight sub-blocks of 32, each IQ4_NL's nibbles */
+                _mm256_storeu_ps(scale, iq4xs_d_scales(sb));
+                for (int j = 0; j < 8; j++) {
+                    iq4_levels_strided(sb + 8 + 16 * j, f);
+                    const __m256 dl = _mm256_broadcast_ss(scale + j);
+                    for (int a = 0; a < m; a++) {
+                        const float *xb = x + a * ldx + 256 * s + 32 * j;
+                        const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+                        const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                        acc[a][j % chains] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), dl, acc[a][j % chains]);
+                    }
+                }
+                continue;
+            }
             if (is_k_nibble_type(type)) { /* Q4_K, Q5_K */
                 __m256 d_sc, dmin_m;
                 q4k_scales(sb, &d_sc, &dmin_m);

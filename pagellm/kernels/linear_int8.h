@@ -44,18 +44,22 @@ AVX2 static void quantize_rows_q8(const float *x, int64_t m, int64_t ldx, int64_
         }
 }
 
-/* Eight int32 partial sums of a block's 32 products: unsigned levels times signed activations; Q8_0's signed
- * levels move their signs onto the activations first (|w| <= 128 fits vpmaddubsw's unsigned operand). */
-AVX2 static inline __attribute__((always_inline)) __m256i block_dot_q8(const int type, __m256i levels, __m256i x) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (type == T_Q8_0)
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(levels, levels), _mm256_sign_epi8(x, levels)), ones);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(levels, x), ones);
+/* Sixteen int16 sums of pairs of a block's 32 products: unsigned levels times signed activations; signed levels
+ * (Q8_0, IQ4_NL, IQ4_XS) move their signs onto the activations first (|w| <= 128 fits vpmaddubsw's unsigned
+ * operand). */
+AVX2 static inline __attribute__((always_inline)) __m256i pair_dot_q8(const int type, __m256i levels, __m256i x) {
+    if (signed_levels(type)) return _mm256_maddubs_epi16(_mm256_sign_epi8(levels, levels), _mm256_sign_epi8(x, levels));
+    return _mm256_maddubs_epi16(levels, x);
 }
 
-/* K-quant rows [r0, r1) for m activation rows: a super-block's products, each times its integer sub-block scale
- * (vpmaddwd), add up in int32 and are scaled in float once; the offset of Q6_K (32) and Q3_K (4) comes off as
- * offset sum_j sc_j qsum16_j, and the minimums of Q2_K, Q4_K and Q5_K take the exact activation sums. */
+/* Eight int32 partial sums of a block's 32 products. */
+AVX2 static inline __attribute__((always_inline)) __m256i block_dot_q8(const int type, __m256i levels, __m256i x) {
+    return _mm256_madd_epi16(pair_dot_q8(type, levels, x), _mm256_set1_epi16(1));
+}
+
+/* K-quant (and IQ4_XS) rows [r0, r1) for m activation rows: a super-block's products, each times its integer
+ * sub-block scale (vpmaddwd), add up in int32 and are scaled in float once; the offset of Q6_K (32) and Q3_K (4)
+ * comes off as offset sum_j sc_j qsum16_j, and the minimums of Q2_K, Q4_K and Q5_K take the exact activation sums. */
 AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type, const int m, const pagellm_matrix *w,
                                                                  int64_t r0, int64_t r1, const activations *act,
                                                                  float *out, int64_t ldo) {
@@ -69,7 +73,18 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
             __m256i sum[FUSED_MAX_M];
             for (int a = 0; a < m; a++) sum[a] = _mm256_setzero_si256();
             float d;
-            if (is_k_nibble_type(type)) { /* Q4_K, Q5_K */
+            if (type == T_IQ4_XS) { /* eight sub-blocks of 32 with signed levels, each times its scale */
+                int32_t sc[8];
+                _mm256_storeu_si256((__m256i *)sc, iq4xs_scales(sb));
+                for (int j = 0; j < 8; j++) {
+                    const __m256i levels = iq4_level_bytes(sb + 8 + 16 * j), scale = _mm256_set1_epi16((short)sc[j]);
+                    for (int a = 0; a < m; a++) {
+                        const __m256i xq = _mm256_loadu_si256((const __m256i *)(act->q + a * k + 256 * s + 32 * j));
+                        sum[a] = _mm256_add_epi32(sum[a], _mm256_madd_epi16(pair_dot_q8(type, levels, xq), scale));
+                    }
+                }
+                d = half_avx2(sb);
+            } else if (is_k_nibble_type(type)) { /* Q4_K, Q5_K */
                 uint64_t packed_sc, packed_m;
                 q4k_unpack(sb, &packed_sc, &packed_m);
                 const __m256 dmin_m = _mm256_mul_ps(_mm256_set1_ps(half_avx2(sb + 2)), u8x8_to_ps(packed_m));

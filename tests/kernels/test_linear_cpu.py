@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType as QT
 
 from pagellm.kernels import linear as kernels
 
-TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
-K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]  # 256 weights per super-block
+TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.IQ4_NL]
+K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]  # 256 weights per super-block
 
 
 @pytest.fixture(params=["avx2", "scalar"])
@@ -34,19 +34,20 @@ def encode(weight: np.ndarray, qtype: QT) -> np.ndarray:
         stored = weight.astype(np.float16)
     elif qtype == QT.BF16:
         stored = (weight.view(np.uint32) >> 16).astype(np.uint16)
-    elif qtype in K_TYPES:
-        return random_k_quant(weight.shape, qtype, np.random.default_rng(weight.shape[0]))
+    elif qtype in K_TYPES or qtype == QT.IQ4_NL:
+        return random_blocks(weight.shape, qtype, np.random.default_rng(weight.shape[0]))
     else:
         stored = gguf.quants.quantize(weight, qtype)
     return np.ascontiguousarray(stored).view(np.uint8).reshape(weight.shape[0], -1)
 
 
-def random_k_quant(shape: tuple[int, int], qtype: QT, rng: np.random.Generator) -> np.ndarray:
-    """A K-quant matrix of random bytes (every bit pattern is a valid block) with finite float16 scales: the gguf
-    package dequantizes K-quants but cannot quantize them."""
+def random_blocks(shape: tuple[int, int], qtype: QT, rng: np.random.Generator) -> np.ndarray:
+    """A K-quant or IQ4 matrix of random bytes (every bit pattern is a valid block) with finite float16 scales: the
+    gguf package dequantizes these types but cannot quantize them."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(shape[0] * shape[1] // block_elems, block_bytes), dtype=np.uint8)
-    scale_offsets = {QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q6_K: [208]}.get(qtype, [0, 2])  # d (and dmin)
+    scale_offsets = {QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q6_K: [208], QT.IQ4_NL: [0], QT.IQ4_XS: [0]}.get(
+        qtype, [0, 2])  # d (and dmin)
     for offset in scale_offsets:
         blocks[:, offset:offset + 2] = rng.uniform(-0.02, 0.02, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(shape[0], -1)

@@ -1,5 +1,5 @@
-"""GGUF files with K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) run on their packed super-blocks through the
-whole engine; every logprob over prefill and decode is within 1e-3 of transformers' own loading of the same file
+"""GGUF files with K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4 weights (IQ4_NL, IQ4_XS: nibbles that
+index a table of non-uniform levels) run on their packed blocks through the whole engine; every logprob over prefill and decode is within 1e-3 of transformers' own loading of the same file
 (which dequantizes with the gguf package: an independent decoder)."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from test_gguf_loader import write_tiny_gguf
 from pagellm import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS],
+                         ids=lambda t: t.name)
 def test_k_quant_file_runs_packed_and_matches_transformers(tmp_path, qtype):
     from transformers import AutoModelForCausalLM
 

@@ -38,10 +38,12 @@ def test_quantization_none_dequantizes_and_unsupported_types_fall_back():
     assert not layer.packed_types
     torch.testing.assert_close(layer.weight.data, packed(48, 96, QT.Q8_0).dequantize(), rtol=0, atol=0)
 
-    iq4_nl = PackedTensor(QT.IQ4_NL, torch.zeros(4, 18 * 8, dtype=torch.uint8), (4, 256))
+    rng = np.random.default_rng(2)
+    iq2_xxs = PackedTensor(QT.IQ2_XXS, torch.from_numpy(rng.integers(0, 256, (4, 66), dtype=np.uint8)), (4, 256))
+    iq2_xxs.data[:, 0:2] = torch.from_numpy(np.full((4, 1), 0.01, np.float16).view(np.uint8))  # finite scales
     layer = Linear(256, 4)
-    layer.load_weight(iq4_nl, "gguf")  # no kernel for IQ types: float32, exactly dequantized
-    assert not layer.packed_types and torch.equal(layer.weight.data, iq4_nl.dequantize())
+    layer.load_weight(iq2_xxs, "gguf")  # no kernel for the other IQ types: float32, exactly dequantized
+    assert not layer.packed_types and torch.equal(layer.weight.data, iq2_xxs.dequantize())
 
 
 def test_k_quants_stay_packed():

@@ -1,9 +1,9 @@
 """Weight storage formats: `PackedTensor` (a matrix as GGUF stores it, rows of ggml blocks) and the
 `--quantization` methods that decide which linear layers keep their weights packed.
 
-- "gguf": GGUF files keep every supported block type packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, F16,
-  BF16) and the CPU kernels multiply with it directly; other types (the IQ types) are dequantized to float32 when
-  loaded.
+- "gguf": GGUF files keep every supported block type packed (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K, IQ4_NL,
+  IQ4_XS, F16, BF16) and the CPU kernels multiply with it directly; other types (the other IQ types) are
+  dequantized to float32 when loaded.
 - "int8": float checkpoints are quantized to Q8_0 (int8 with one float16 scale per 32 weights) when loaded.
 - "none": every weight is dequantized to the model dtype.
 
