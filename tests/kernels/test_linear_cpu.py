@@ -106,10 +106,11 @@ def test_k_quants_match_numpy(isa, qtype, rows, out_features, in_features):
 
 
 @pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows,out_features", [(9, 61), (17, 6), (24, 25), (40, 1), (70, 50)])
+@pytest.mark.parametrize("rows,out_features", [(9, 61), (17, 6), (24, 25), (40, 1), (70, 50), (521, 7)])
 def test_prefill_tiles_match_numpy(isa, threads, qtype, rows, out_features):
     """Prefill-sized batches (the tile path): activation blocks of 16 with 1-8 and 9-16 rows left over, panels of
-    6 weight rows in groups of 4 with some left over, several column slices of 256 and a short last one."""
+    6 weight rows in groups of 4 with some left over, several column slices of 256 and a short last one, passes of
+    256 activation rows with a short last one."""
     in_features = 768 if qtype in K_TYPES else 300 if qtype in (QT.F32, QT.F16, QT.BF16) else 288  # 300: not 8k
     rng = np.random.default_rng(rows * 100 + out_features)
     packed = encode(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
