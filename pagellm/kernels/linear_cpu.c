@@ -239,6 +239,14 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     const int64_t n = w->n, k = w->k;
 #if HAVE_X86
     const int int8 = w->int8_activations && !is_float_type(w->type);
+    if (int8 && is_k_type(w->type) && m > M_CHUNK) { /* as the tiles: passes whose int8 rows stay in L2 */
+        for (int64_t a0 = 0; a0 < m; a0 += M_CHUNK) {
+            const int status = matmul_into(w, x + a0 * ldx, m - a0 < M_CHUNK ? m - a0 : M_CHUNK, ldx, out + a0 * ldo,
+                                           ldo, nthreads);
+            if (status) return status;
+        }
+        return 0;
+    }
     const int64_t small = int8 ? (is_k_type(w->type) ? m : INT8_MAX_ROWS)
                                : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS;
     if (w->use_avx2 && m <= small && k % 32 == 0) {

@@ -96,9 +96,10 @@ def test_several_kernel_calls_per_matmul(rows):
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [49, 70])
+@pytest.mark.parametrize("rows", [49, 70, 517])
 def test_k_quants_use_int8_activations_at_every_length(qtype, rows, threads):
-    """K-quants keep the int8 path above 48 rows (prefill), row counts that are no multiple of four included."""
+    """K-quants keep the int8 path above 48 rows (prefill), row counts that are no multiple of four included, and
+    in passes of 256 rows beyond (the last one short)."""
     in_features, out_features = 512, 37
     packed = packed_matrix(qtype, out_features, in_features, seed=rows)
     x = np.random.default_rng(rows).standard_normal((rows, in_features)).astype(np.float32)
