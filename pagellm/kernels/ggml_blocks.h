@@ -31,8 +31,12 @@
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
        T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
 
-/* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a weight is its scale times the level its nibble picks. */
+/* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a weight is its scale times the level its nibble picks.
+ * The float32 dot products take them plus IQ4_OFFSET, unsigned, and subtract the offset times the activations'
+ * sums (as Q4_0's q - 8): an unsigned byte widens with a mask where a signed one takes two shifts. */
 static const int8_t iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#define IQ4_OFFSET 128
+static const uint8_t iq4_levels_unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 static inline int is_block_type(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_IQ4_NL;
@@ -141,24 +145,27 @@ AVX2 static inline float half_avx2(const uint8_t *p) { return _cvtsh_ss(load_u16
 /* 8 bytes at the low half of v as 8 floats, signed or unsigned. */
 AVX2 static inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-/* IQ4_NL / IQ4_XS: 16 bytes of nibbles as their 32 levels in element order (low nibbles, then high), as bytes:
- * the bytes broadcast to both halves, the high half shifted, one in-lane table lookup (vpshufb). */
-AVX2 static inline __m256i iq4_level_bytes(const uint8_t *qs) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)iq4_levels));
+/* IQ4_NL / IQ4_XS: 16 bytes of nibbles as their 32 entries of `table` (16 bytes) in element order (low nibbles,
+ * then high): the bytes broadcast to both halves, the high half shifted, one in-lane lookup (vpshufb). */
+AVX2 static inline __m256i iq4_lookup(const uint8_t *qs, const void *table) {
+    const __m256i entries = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
     const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     const __m256i nibbles = _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xf0), _mm256_set1_epi8(0x0f));
-    return _mm256_shuffle_epi8(table, nibbles);
+    return _mm256_shuffle_epi8(entries, nibbles);
 }
 
-/* The same levels as four vectors of 8 floats in a strided order: lane i of f[j] is element 4i + j, each byte of
- * a 32-bit lane sign-extended by two shifts (a widening per 8 bytes would take the shuffle unit four more times
- * per block). Dot products read activations permuted to match (iq4_permute_activations). */
+/* The signed levels as bytes, in element order. */
+AVX2 static inline __m256i iq4_level_bytes(const uint8_t *qs) { return iq4_lookup(qs, iq4_levels); }
+
+/* The levels plus IQ4_OFFSET as four vectors of 8 floats in a strided order: lane i of f[j] is element 4i + j, each
+ * byte of a 32-bit lane widened by a shift and a mask (a widening per 8 bytes would take the shuffle unit four more
+ * times per block). Dot products read activations permuted to match (iq4_permute_activations). */
 AVX2 static inline __attribute__((always_inline)) void iq4_levels_strided(const uint8_t *qs, __m256 f[4]) {
-    const __m256i v = iq4_level_bytes(qs);
-    f[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
-    f[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
-    f[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
-    f[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+    const __m256i v = iq4_lookup(qs, iq4_levels_unsigned), byte = _mm256_set1_epi32(0xff);
+    f[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, byte));
+    f[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), byte));
+    f[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), byte));
+    f[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 24));
 }
 
 /* The levels in element order (for dequantization): elements 8p..8p + 7 in f[p]. */

@@ -10,12 +10,15 @@
  * (always_inline with constants).
  */
 
-/* A block's levels for a dot product, without ggml's offset: in element order, but IQ4_NL's in the strided order
- * its activations were permuted to (matmul_into). */
+/* A block's levels for a float32 dot product, without their offset: in element order, but IQ4_NL's in the strided
+ * order its activations were permuted to (matmul_into). */
 AVX2 static inline __attribute__((always_inline)) void dot_levels(const int type, block_ref ref, __m256 f[4]) {
     if (type == T_IQ4_NL) iq4_levels_strided(ref.qs, f);
     else block_levels(type, ref, f, 0);
 }
+
+/* What dot_levels leaves in the levels, which the products take back as offset * d * (sum of the activations). */
+static inline int dot_offset(int type) { return type == T_IQ4_NL || type == T_IQ4_XS ? IQ4_OFFSET : level_offset(type); }
 
 /* A float type's 32 values (block `ref`) as four vectors of 8. */
 AVX2 static inline __attribute__((always_inline)) void float_block(const int type, block_ref ref, __m256 f[4]) {
@@ -60,7 +63,7 @@ AVX2 static inline __attribute__((always_inline)) void fused_rows(const int type
                 continue;
             }
             dot_levels(type, ref, f);
-            const float d = half_avx2(ref.d), mn = has_min(type) ? half_avx2(ref.m) : -(float)level_offset(type) * d;
+            const float d = half_avx2(ref.d), mn = has_min(type) ? half_avx2(ref.m) : -(float)dot_offset(type) * d;
             const __m256 dv = _mm256_set1_ps(d);
             for (int i = 0; i < m; i++) {
                 /* The block's dot product is independent of the accumulator, so only one FMA per block sits on
@@ -69,7 +72,7 @@ AVX2 static inline __attribute__((always_inline)) void fused_rows(const int type
                 const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xi + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xi)));
                 const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xi + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xi + 16)));
                 acc[i][0] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), dv, acc[i][0]);
-                if (has_min(type) || level_offset(type)) min_acc[i] += mn * xsum[i * blocks + b];
+                if (has_min(type) || dot_offset(type)) min_acc[i] += mn * xsum[i * blocks + b];
             }
         }
         for (int i = 0; i < m; i++) {
@@ -98,6 +101,7 @@ AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type
     const float *x = act->x, *xsum = act->sum;
     const int64_t ldx = act->ldx;
     const int64_t stride = 4 * block_bytes(type);
+    const int offset = int8 ? level_offset(type) : dot_offset(type); /* int8: IQ4_NL's signed levels, no offset */
     __m256 acc[FUSED_MAX_M][4], min_acc[FUSED_MAX_M];
     for (int a = 0; a < m; a++) {
         min_acc[a] = _mm256_setzero_ps();
@@ -108,7 +112,7 @@ AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type
         const __m256 scales = _mm256_cvtph_ps(has_min(type) ? _mm_loadu_si128((const __m128i *)group)
                                                             : _mm_loadl_epi64((const __m128i *)group));
         const __m256 ds = _mm256_insertf128_ps(scales, _mm256_castps256_ps128(scales), 1); /* d0..d3 twice */
-        for (int a = 0; a < m && (has_min(type) || level_offset(type)); a++)
+        for (int a = 0; a < m && (has_min(type) || offset); a++)
             min_acc[a] = _mm256_fmadd_ps(scales, _mm256_broadcast_ss(xsum + a * blocks + b), min_acc[a]);
         if (int8) {
             __m256i xq[FUSED_MAX_M];
@@ -144,7 +148,7 @@ AVX2 static inline __attribute__((always_inline)) void group_gemm(const int type
         _mm256_storeu_ps(mins, min_acc[a]);
         /* ggml's offset: sum_b (-offset d_b) xsum_b, scaled once at the end (offset a power of two: exact) */
         for (int i = 0; i < 4; i++)
-            out[a * ldo + i] = hsum(acc[a][i]) + (has_min(type) ? mins[4 + i] : -(float)level_offset(type) * mins[i]);
+            out[a * ldo + i] = hsum(acc[a][i]) + (has_min(type) ? mins[4 + i] : -(float)offset * mins[i]);
     }
 }
 
@@ -171,7 +175,11 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
         for (int64_t s = 0; s < supers; s++, sb += super_block_bytes(type)) {
             __m256 f[4];
             if (type == T_IQ4_XS) { /* eight sub-blocks of 32, each IQ4_NL's nibbles */
-                _mm256_storeu_ps(scale, iq4xs_d_scales(sb));
+                const __m256 d_sc = iq4xs_d_scales(sb);
+                _mm256_storeu_ps(scale, d_sc);
+                for (int a = 0; a < m; a++) /* the levels' offset, one lane per sub-block */
+                    min_acc[a] = _mm256_fmadd_ps(_mm256_mul_ps(d_sc, _mm256_set1_ps((float)IQ4_OFFSET)),
+                                                 _mm256_loadu_ps(xsum + a * blocks + 8 * s), min_acc[a]);
                 for (int j = 0; j < 8; j++) {
                     iq4_levels_strided(sb + 8 + 16 * j, f);
                     const __m256 dl = _mm256_broadcast_ss(scale + j);
