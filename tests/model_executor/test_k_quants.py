@@ -37,3 +37,26 @@ def test_k_quant_file_runs_packed_and_matches_transformers(tmp_path, qtype):
             assert out.outputs[0].token_ids[step] == int(reference[start + step].argmax())  # greedy agrees
             for token, logprob in entry.items():
                 assert logprob.logprob == pytest.approx(reference[start + step, token].item(), abs=1e-3)
+
+
+def test_types_without_a_kernel_are_dequantized_with_a_warning(tmp_path, monkeypatch, caplog):
+    """An IQ2_XXS file (no packed kernel) still loads, as float32, and the log says which matrices and what they
+    cost: a file must not take several times its size unexplained."""
+    import logging
+
+    import test_gguf_loader
+
+    monkeypatch.setitem(test_gguf_loader.RAW_BLOCK_FP16_OFFSETS, QT.IQ2_XXS, (0,))  # random blocks, finite d
+    path = tmp_path / "tiny-IQ2_XXS.gguf"
+    hf_weights = write_tiny_gguf(path, QT.IQ2_XXS)
+    monkeypatch.setattr(logging.getLogger("pagellm"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="pagellm"):
+        llm = LLM(model=str(path), max_model_len=64, kv_cache_memory_bytes=4 << 20)
+    matrices = sum(1 for w in hf_weights.values() if w.ndim == 2)
+    warning = next(r.getMessage() for r in caplog.records if "No packed kernel" in r.getMessage())
+    assert f"{matrices} IQ2_XXS matrices" in warning and "dequantized to float32" in warning
+    float_bytes = 4 * sum(w.size for w in hf_weights.values() if w.ndim == 2)
+    assert llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0] >= float_bytes
+    out = llm.generate([{"prompt_token_ids": [5, 17, 100]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2

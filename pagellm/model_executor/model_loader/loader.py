@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagellm.config import ModelConfig
@@ -15,6 +18,7 @@ from pagellm.kernels import linear as linear_kernels
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.linear import quantize_activations
 from pagellm.model_executor.model_loader.file_reader import read_file
+from pagellm.model_executor.model_loader.gguf_loader import gguf_tensor_index
 from pagellm.model_executor.model_loader.gguf_weights import iterate_gguf_weights
 from pagellm.model_executor.models.registry import get_model_class
 
@@ -68,6 +72,21 @@ def iterate_weights(model_dir: str | Path, mapped: bool = False) -> Iterator[tup
         yield from read_safetensors(path, mapped)
 
 
+def _warn_unpacked_types(model_dir: str | Path) -> None:
+    """Matrices in a type the kernels cannot multiply with (IQ1 to IQ3) are dequantized to float32 by their layers:
+    say which, and what it costs in memory, rather than let a file take several times its size unexplained."""
+    unpacked = [entry for entry in gguf_tensor_index(model_dir)
+                if len(entry["shape"]) == 2 and entry["type"] not in linear_kernels.SUPPORTED_TYPES]
+    if unpacked:
+        types = Counter(GGMLQuantizationType(entry["type"]).name for entry in unpacked)
+        stored = sum(entry["bytes"] for entry in unpacked)
+        expanded = sum(4 * math.prod(entry["shape"]) for entry in unpacked)
+        logger.warning("No packed kernel for %s (%.1f MB in the file): dequantized to float32 at load (%.1f MB). "
+                       "Q4_0 to Q8_0, Q2_K to Q6_K, IQ4_NL and IQ4_XS stay packed.",
+                       ", ".join(f"{count} {name} matrices" for name, count in sorted(types.items())),
+                       stored / 1e6, expanded / 1e6)
+
+
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """The model on `device`, its weights from the safetensors files, or packed from the GGUF file when
     `model_config.quantization` is "gguf"."""
@@ -85,6 +104,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
                        model_config.quantization)
     mapped = get_tp_group().world_size > 1 or get_pp_group().world_size > 1  # this rank keeps a slice
     if model_config.quantization == "gguf":
+        if linear_kernels.available():
+            _warn_unpacked_types(model_config.model)
         weights = iterate_gguf_weights(model_config.model, model_config.hf_config, mapped)
     else:
         weights = iterate_weights(model_config.model, mapped)
