@@ -42,6 +42,10 @@ static inline int is_block_type(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_IQ4_NL;
 }
 static inline int signed_levels(int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* levels < 0 */
+/* Types whose float32 dot products decode levels as bytes and widen them strided (widen_strided). */
+static inline int strided_levels(int t) {
+    return t == T_IQ4_NL || t == T_IQ4_XS || t == T_Q2_K || t == T_Q3_K || t == T_Q6_K;
+}
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 static inline int has_min(int t) { return t == T_Q4_1 || t == T_Q5_1; }
 static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
@@ -157,15 +161,21 @@ AVX2 static inline __m256i iq4_lookup(const uint8_t *qs, const void *table) {
 /* The signed levels as bytes, in element order. */
 AVX2 static inline __m256i iq4_level_bytes(const uint8_t *qs) { return iq4_lookup(qs, iq4_levels); }
 
-/* The levels plus IQ4_OFFSET as four vectors of 8 floats in a strided order: lane i of f[j] is element 4i + j, each
- * byte of a 32-bit lane widened by a shift and a mask (a widening per 8 bytes would take the shuffle unit four more
- * times per block). Dot products read activations permuted to match (iq4_permute_activations). */
-AVX2 static inline __attribute__((always_inline)) void iq4_levels_strided(const uint8_t *qs, __m256 f[4]) {
-    const __m256i v = iq4_lookup(qs, iq4_levels_unsigned), byte = _mm256_set1_epi32(0xff);
+/* 32 unsigned bytes as four vectors of 8 floats in a strided order: lane i of f[j] is byte 4i + j, each byte of a
+ * 32-bit lane widened by a shift and a mask (a widening per 8 bytes would take the shuffle unit four more times per
+ * 32 bytes). Dot products read activations permuted to match (permute_activations); bytes 0..15 land in lanes
+ * 0..3 of every vector and bytes 16..31 in lanes 4..7, so two sub-blocks of 16 keep their own scales. */
+AVX2 static inline __attribute__((always_inline)) void widen_strided(__m256i v, __m256 f[4]) {
+    const __m256i byte = _mm256_set1_epi32(0xff);
     f[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, byte));
     f[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), byte));
     f[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), byte));
     f[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 24));
+}
+
+/* IQ4's levels plus IQ4_OFFSET, strided. */
+AVX2 static inline __attribute__((always_inline)) void iq4_levels_strided(const uint8_t *qs, __m256 f[4]) {
+    widen_strided(iq4_lookup(qs, iq4_levels_unsigned), f);
 }
 
 /* The levels in element order (for dequantization): elements 8p..8p + 7 in f[p]. */
@@ -175,8 +185,8 @@ AVX2 static inline __attribute__((always_inline)) void iq4_levels_in_order(const
     f[0] = i8_to_ps(lo), f[1] = i8_to_ps(_mm_srli_si128(lo, 8)), f[2] = i8_to_ps(hi), f[3] = i8_to_ps(_mm_srli_si128(hi, 8));
 }
 
-/* Activations in iq4_levels_strided's order: within each 32, position 8j + i holds element 4i + j. */
-static inline void iq4_permute_activations(const float *x, int64_t m, int64_t ldx, int64_t k, float *dst) {
+/* Activations in widen_strided's order: within each 32, position 8j + i holds element 4i + j. */
+static inline void permute_activations(const float *x, int64_t m, int64_t ldx, int64_t k, float *dst) {
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < k; b += 32)
             for (int j = 0; j < 4; j++)

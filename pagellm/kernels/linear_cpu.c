@@ -251,8 +251,8 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
                                : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS;
     if (w->use_avx2 && m <= small && k % 32 == 0) {
         /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows, or
-         * (IQ4, float32 activations) the activations permuted to the order its levels are decoded in */
-        const int permuted = !int8 && (w->type == T_IQ4_NL || w->type == T_IQ4_XS);
+         * (float32 activations, strided levels) the activations permuted to the order the levels are decoded in */
+        const int permuted = !int8 && strided_levels(w->type);
         float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32
                                                             : (3 + 32 * permuted) * sizeof(float)));
         if (xsum == NULL) return -2;
@@ -260,10 +260,6 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
         float *scale = xsum16 + m * (k / 16);
         int16_t *qsum16 = (int16_t *)(scale + m * (k / 32));
         int8_t *q = (int8_t *)(qsum16 + m * (k / 16));
-        if (permuted) {
-            iq4_permute_activations(x, m, ldx, k, scale);
-            x = scale, ldx = k;
-        }
         const int64_t group = q8_group(w->type);
         const int offsets = w->type == T_Q3_K || w->type == T_Q6_K; /* int8 sums of 16 needed */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (m > 2 * FUSED_MAX_M)
@@ -277,6 +273,10 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
             if (int8)
                 quantize_rows_q8(x + i * ldx, 1, ldx, k, group, q + i * k, scale + i * (k / group),
                                  offsets ? qsum16 + i * (k / 16) : NULL);
+        }
+        if (permuted) { /* after the sums: those over 16 are in element order */
+            permute_activations(x, m, ldx, k, scale);
+            x = scale, ldx = k;
         }
         /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
          * rows, which stay in cache between them: the weights are still streamed from memory once. */

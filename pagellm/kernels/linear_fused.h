@@ -227,27 +227,36 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                     min_acc[a] = _mm256_fmadd_ps(dmin_m[1], _mm256_loadu_ps(sums + 8),
                                                  _mm256_fmadd_ps(dmin_m[0], _mm256_loadu_ps(sums), min_acc[a]));
                 }
-            } else {
+            } else { /* the offset (Q6_K 32, Q3_K 4) times each sub-block's scale and exact sum of 16 */
                 const __m128i packed = type == T_Q3_K ? q3k_scales_avx2(sb) : _mm_loadu_si128((const __m128i *)(sb + 192));
                 const __m256 d = _mm256_set1_ps(half_avx2(sb + (type == T_Q3_K ? 108 : 208)));
-                _mm256_storeu_ps(scale, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed))));
-                _mm256_storeu_ps(scale + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8)))));
+                const __m256 d_sc[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed))),
+                                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8))))};
+                _mm256_storeu_ps(scale, d_sc[0]);
+                _mm256_storeu_ps(scale + 8, d_sc[1]);
+                const __m256 offset = _mm256_set1_ps(type == T_Q3_K ? 4.0f : 32.0f); /* powers of two: exact */
+                for (int a = 0; a < m; a++) {
+                    const float *sums = act->sum16 + a * (w->k / 16) + 16 * s;
+                    min_acc[a] = _mm256_fmadd_ps(_mm256_mul_ps(d_sc[1], offset), _mm256_loadu_ps(sums + 8),
+                                                 _mm256_fmadd_ps(_mm256_mul_ps(d_sc[0], offset), _mm256_loadu_ps(sums), min_acc[a]));
+                }
             }
             for (int half = 0; half < 2; half++) {
-                __m256 levels[4][4];
-                if (type == T_Q2_K) q2k_levels(sb, half, levels);
-                else if (type == T_Q3_K) q3k_levels(sb, half, levels);
-                else q6k_levels(sb + 64 * half, sb + 128 + 32 * half, levels);
-                for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16 */
-                    const __m256 *f6 = levels[t];
-                    const __m256 da = _mm256_broadcast_ss(scale + 8 * half + 2 * t);
-                    const __m256 db = _mm256_broadcast_ss(scale + 8 * half + 2 * t + 1);
+                __m256i q[4]; /* unsigned levels, the offset left to min_acc */
+                if (type == T_Q2_K) q2k_level_bytes(sb, half, q);
+                else if (type == T_Q3_K) q3k_level_bytes(sb, half, q);
+                else q6k_level_bytes(sb + 64 * half, sb + 128 + 32 * half, q);
+                for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16: lanes 0..3 and 4..7 */
+                    __m256 f[4];
+                    widen_strided(q[t], f);
+                    const float *pair = scale + 8 * half + 2 * t;
+                    const __m256 d_pair = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(pair)),
+                                                               _mm_broadcast_ss(pair + 1), 1);
                     for (int a = 0; a < m; a++) {
                         const float *xb = x + a * ldx + 256 * s + 128 * half + 32 * t;
-                        const __m256 va = _mm256_fmadd_ps(f6[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f6[0], _mm256_loadu_ps(xb)));
-                        const __m256 vb = _mm256_fmadd_ps(f6[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f6[2], _mm256_loadu_ps(xb + 16)));
-                        acc[a][(2 * t) % chains] = _mm256_fmadd_ps(va, da, acc[a][(2 * t) % chains]);
-                        acc[a][(2 * t + 1) % chains] = _mm256_fmadd_ps(vb, db, acc[a][(2 * t + 1) % chains]);
+                        const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+                        const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+                        acc[a][t % chains] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), d_pair, acc[a][t % chains]);
                     }
                 }
             }
