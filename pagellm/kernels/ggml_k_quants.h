@@ -144,6 +144,23 @@ AVX2 static inline __attribute__((always_inline)) void k_nibble_levels(const int
     }
 }
 
+/* Q4_K / Q5_K sub-blocks 2c and 2c + 1 as bytes in element order (k_nibble_levels' levels): Q5_K's fifth bits,
+ * bits 2c and 2c + 1 of the 32 qh bytes, moved to bit 4 by 16-bit shifts and masked. */
+AVX2 static inline __attribute__((always_inline)) void k_nibble_level_bytes(const int type, const uint8_t *sb, int c,
+                                                                           __m256i *low, __m256i *high) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(sb + k_nibbles_at(type) + 32 * c));
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    *low = _mm256_and_si256(bytes, nibble);
+    *high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    if (type == T_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16)), bit4 = _mm256_set1_epi8(0x10);
+        *low = _mm256_or_si256(*low, _mm256_and_si256(2 * c <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * c)
+                                                                 : _mm256_srli_epi16(qh, 2 * c - 4), bit4));
+        *high = _mm256_or_si256(*high, _mm256_and_si256(2 * c + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - 2 * c)
+                                                                       : _mm256_srli_epi16(qh, 2 * c - 3), bit4));
+    }
+}
+
 /* Q4_K, Q5_K: the eight 6-bit sub-block scales (bytes of *sc) and minimums (*m) from the super-block's 12 packed
  * bytes, all at once, four per 32-bit word. */
 static inline void q4k_unpack(const uint8_t *sb, uint64_t *sc, uint64_t *m) {

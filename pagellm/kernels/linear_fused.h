@@ -200,7 +200,14 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                     min_acc[a] = _mm256_fmadd_ps(dmin_m, _mm256_loadu_ps(xsum + a * blocks + 8 * s), min_acc[a]);
                 for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1 share their 32 bytes */
                     __m256 high[4];
-                    k_nibble_levels(type, sb, c, f, high);
+                    if (strided_levels(type)) { /* Q5_K: its fifth bits cost less on bytes */
+                        __m256i low_bytes, high_bytes;
+                        k_nibble_level_bytes(type, sb, c, &low_bytes, &high_bytes);
+                        widen_strided(low_bytes, f);
+                        widen_strided(high_bytes, high);
+                    } else {
+                        k_nibble_levels(type, sb, c, f, high);
+                    }
                     const __m256 d_low = _mm256_broadcast_ss(scale + 2 * c), d_high = _mm256_broadcast_ss(scale + 2 * c + 1);
                     for (int a = 0; a < m; a++) {
                         const float *xb = x + a * ldx + 256 * s + 64 * c;

@@ -64,7 +64,6 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                                                                  int64_t r0, int64_t r1, const activations *act,
                                                                  float *out, int64_t ldo) {
     const int64_t k = w->k, supers = k / 256, blocks = k / 32;
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *sb = w->w + r * w->row_bytes;
         __m256 acc[FUSED_MAX_M], min_acc[FUSED_MAX_M];
@@ -93,16 +92,8 @@ AVX2 static inline __attribute__((always_inline)) void k_rows_q8(const int type,
                 uint8_t sc[8];
                 memcpy(sc, &packed_sc, 8);
                 for (int c = 0; c < 4; c++) { /* sub-blocks 2c and 2c + 1: the low and high nibbles of 32 bytes */
-                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(sb + k_nibbles_at(type) + 32 * c));
-                    __m256i low = _mm256_and_si256(bytes, nibble);
-                    __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-                    if (type == T_Q5_K) { /* bits 2c, 2c + 1 of the 32 qh bytes to bit 4 (16-bit shifts, masked) */
-                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16)), bit4 = _mm256_set1_epi8(0x10);
-                        low = _mm256_or_si256(low, _mm256_and_si256(2 * c <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * c)
-                                                                               : _mm256_srli_epi16(qh, 2 * c - 4), bit4));
-                        high = _mm256_or_si256(high, _mm256_and_si256(2 * c + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - 2 * c)
-                                                                                     : _mm256_srli_epi16(qh, 2 * c - 3), bit4));
-                    }
+                    __m256i low, high;
+                    k_nibble_level_bytes(type, sb, c, &low, &high);
                     const __m256i sc_low = _mm256_set1_epi16(sc[2 * c]), sc_high = _mm256_set1_epi16(sc[2 * c + 1]);
                     for (int a = 0; a < m; a++) {
                         const int8_t *xq = act->q + a * k + 256 * s + 64 * c;
