@@ -42,11 +42,13 @@ static inline int is_block_type(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_IQ4_NL;
 }
 static inline int signed_levels(int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* levels < 0 */
-/* Types whose float32 dot products decode levels as bytes and widen them strided (widen_strided): all but the
- * plain nibbles of Q4_0, Q4_1 and Q4_K, which widen as fast per 8 bytes from memory (measured 2.3 against 2.5 ns
- * per 32 weights for Q4_K; Q3_K, Q5_K and Q6_K went from 4.1-4.5 to 2.9-3.3). */
+/* Types whose float32 dot products decode levels as bytes and widen them strided (widen_strided): all but Q8_0
+ * and the plain nibbles of Q4_0, Q4_1 and Q4_K, which widen as fast per 8 bytes from memory (measured 2.3 against
+ * 2.5 ns per 32 weights for Q4_K; Q3_K, Q5_K and Q6_K went from 4.1-4.5 to 2.9-3.3, Q5_0 and Q5_1 from 3.7-3.9
+ * to 3.4-3.5). */
 static inline int strided_levels(int t) {
-    return t == T_IQ4_NL || t == T_IQ4_XS || t == T_Q2_K || t == T_Q3_K || t == T_Q5_K || t == T_Q6_K;
+    return t == T_IQ4_NL || t == T_IQ4_XS || t == T_Q2_K || t == T_Q3_K || t == T_Q5_K || t == T_Q6_K || t == T_Q5_0 ||
+           t == T_Q5_1;
 }
 static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 static inline int has_min(int t) { return t == T_Q4_1 || t == T_Q5_1; }

@@ -14,6 +14,7 @@
  * order its activations were permuted to (matmul_into). */
 AVX2 static inline __attribute__((always_inline)) void dot_levels(const int type, block_ref ref, __m256 f[4]) {
     if (type == T_IQ4_NL) iq4_levels_strided(ref.qs, f);
+    else if (strided_levels(type)) widen_strided(block_level_bytes(type, ref), f); /* Q5_0, Q5_1 */
     else block_levels(type, ref, f, 0);
 }
 
