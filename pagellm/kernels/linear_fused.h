@@ -10,8 +10,8 @@
  * (always_inline with constants).
  */
 
-/* A block's levels for a float32 dot product, without their offset: in element order, but IQ4_NL's in the strided
- * order its activations were permuted to (matmul_into). */
+/* A block's levels for a float32 dot product, without their offset: strided for the types that matmul_into
+ * permutes the activations for (strided_levels), else in element order. */
 AVX2 static inline __attribute__((always_inline)) void dot_levels(const int type, block_ref ref, __m256 f[4]) {
     if (type == T_IQ4_NL) iq4_levels_strided(ref.qs, f);
     else if (strided_levels(type)) widen_strided(block_level_bytes(type, ref), f); /* Q5_0, Q5_1 */
@@ -255,7 +255,6 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                 else if (type == T_Q3_K) q3k_level_bytes(sb, half, q);
                 else q6k_level_bytes(sb + 64 * half, sb + 128 + 32 * half, q);
                 for (int t = 0; t < 4; t++) { /* 32 weights, two sub-blocks of 16: lanes 0..3 and 4..7 */
-                    __m256 f[4];
                     widen_strided(q[t], f);
                     const float *pair = scale + 8 * half + 2 * t;
                     const __m256 d_pair = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(pair)),

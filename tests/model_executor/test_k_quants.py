@@ -1,6 +1,7 @@
 """GGUF files with K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4 weights (IQ4_NL, IQ4_XS: nibbles that
-index a table of non-uniform levels) run on their packed blocks through the whole engine; every logprob over prefill and decode is within 1e-3 of transformers' own loading of the same file
-(which dequantizes with the gguf package: an independent decoder)."""
+index a table of non-uniform levels) run on their packed blocks through the whole engine; every logprob over
+prefill and decode is within 1e-3 of transformers' own loading of the same file (which dequantizes with the gguf
+package: an independent decoder). Types without a kernel load as float32, with a warning."""
 from __future__ import annotations
 
 import pytest
