@@ -65,11 +65,16 @@ class Executor(ABC):
     def submit_model(self, output: SchedulerOutput, bitmask: Future[np.ndarray] | None = None) -> None:
         """Start a step (`bitmask` as in `execute_model`); its result comes from `collect_model_output`, in
         submission order. Here the step runs at once (an executor with max_concurrent_batches > 1 only sends it)."""
+        self._submit(lambda: self.execute_model(output, bitmask))
+
+    def _submit(self, run: Callable[[], Any]) -> None:
+        """Queue what `run` returns for collection, or what it raises: raised when the step is collected, as an
+        asynchronous executor would (a dead worker raises at once)."""
         try:
-            self._submitted.append(self.execute_model(output, bitmask))
+            self._submitted.append(run())
         except EngineDeadError:
             raise
-        except Exception as exc:  # raised when the step is collected, as an asynchronous executor would
+        except Exception as exc:
             self._submitted.append(exc)
 
     def submit_forward(self, output: SchedulerOutput) -> None:

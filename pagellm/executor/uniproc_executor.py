@@ -8,7 +8,6 @@ import numpy as np
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
-from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunnerOutput
@@ -35,13 +34,11 @@ class UniProcExecutor(Executor):
         return result if result is not None else self.worker.sample_tokens(GrammarOutput.from_future(bitmask))
 
     def submit_forward(self, output: SchedulerOutput) -> None:
-        try:
+        def forward() -> Any:
             result = self.worker.execute_model(output)
-        except EngineDeadError:
-            raise
-        except Exception as exc:  # raised when the step is collected
-            result = exc
-        self._submitted.append(_AWAITING_SAMPLE if result is None else result)
+            return _AWAITING_SAMPLE if result is None else result
+
+        self._submit(forward)
 
     def sample_submitted(self, bitmask: Future[np.ndarray]) -> None:
         index = len(self._submitted) - 1

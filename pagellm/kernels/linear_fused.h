@@ -21,6 +21,14 @@ AVX2 static inline __attribute__((always_inline)) void dot_levels(const int type
 /* What dot_levels leaves in the levels, which the products take back as offset * d * (sum of the activations). */
 static inline int dot_offset(int type) { return type == T_IQ4_NL || type == T_IQ4_XS ? IQ4_OFFSET : level_offset(type); }
 
+/* sum_j f_j x_j over a block's 32 weights (levels in f, activations at xb), as one vector of 8 partial sums: two
+ * independent chains, added once. */
+AVX2 static inline __attribute__((always_inline)) __m256 block_dot(const __m256 f[4], const float *xb) {
+    const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
+    const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+    return _mm256_add_ps(v01, v23);
+}
+
 /* A float type's 32 values (block `ref`) as four vectors of 8. */
 AVX2 static inline __attribute__((always_inline)) void float_block(const int type, block_ref ref, __m256 f[4]) {
     for (int p = 0; p < 4; p++) {
@@ -69,10 +77,7 @@ AVX2 static inline __attribute__((always_inline)) void fused_rows(const int type
             for (int i = 0; i < m; i++) {
                 /* The block's dot product is independent of the accumulator, so only one FMA per block sits on
                  * the loop-carried chain. */
-                const float *xi = xb + i * ldx;
-                const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xi + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xi)));
-                const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xi + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xi + 16)));
-                acc[i][0] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), dv, acc[i][0]);
+                acc[i][0] = _mm256_fmadd_ps(block_dot(f, xb + i * ldx), dv, acc[i][0]);
                 if (has_min(type) || dot_offset(type)) min_acc[i] += mn * xsum[i * blocks + b];
             }
         }
@@ -184,12 +189,9 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                 for (int j = 0; j < 8; j++) {
                     iq4_levels_strided(sb + 8 + 16 * j, f);
                     const __m256 dl = _mm256_broadcast_ss(scale + j);
-                    for (int a = 0; a < m; a++) {
-                        const float *xb = x + a * ldx + 256 * s + 32 * j;
-                        const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
-                        const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
-                        acc[a][j % chains] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), dl, acc[a][j % chains]);
-                    }
+                    for (int a = 0; a < m; a++)
+                        acc[a][j % chains] = _mm256_fmadd_ps(block_dot(f, x + a * ldx + 256 * s + 32 * j), dl,
+                                                             acc[a][j % chains]);
                 }
                 continue;
             }
@@ -259,12 +261,9 @@ AVX2 static inline __attribute__((always_inline)) void k_rows(const int type, co
                     const float *pair = scale + 8 * half + 2 * t;
                     const __m256 d_pair = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(pair)),
                                                                _mm_broadcast_ss(pair + 1), 1);
-                    for (int a = 0; a < m; a++) {
-                        const float *xb = x + a * ldx + 256 * s + 128 * half + 32 * t;
-                        const __m256 v01 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)));
-                        const __m256 v23 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
-                        acc[a][t % chains] = _mm256_fmadd_ps(_mm256_add_ps(v01, v23), d_pair, acc[a][t % chains]);
-                    }
+                    for (int a = 0; a < m; a++)
+                        acc[a][t % chains] = _mm256_fmadd_ps(block_dot(f, x + a * ldx + 256 * s + 128 * half + 32 * t),
+                                                             d_pair, acc[a][t % chains]);
                 }
             }
         }

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from test_linear_cpu import encode
+from test_linear_cpu import K_TYPES, TYPES, encode
 
 from pagellm.kernels import linear as kernels
 
-BLOCK_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.IQ4_NL]
-K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
+BLOCK_TYPES = [t for t in TYPES if t not in (QT.F32, QT.F16, QT.BF16)]  # int8 activations: packed weights only
 # Where a block's quants are, for the types whose offset or minimum the kernel keeps exact (the other bytes are d,
 # m and the K-quant scales); with the quants zeroed, gguf's dequantizer gives that term alone.
 QUANTS = {QT.Q4_0: slice(2, None), QT.Q4_1: slice(4, None), QT.Q5_0: slice(2, None), QT.Q5_1: slice(4, None),
