@@ -13,6 +13,11 @@ _DTYPES = {
 }
 
 
+# Halving the cache's bytes (float16, bfloat16) doubles the tokens it holds and halves what decode attention reads;
+# K and V are then rounded, so outputs are no longer exactly those of the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     device_name = str(device)
     if device_name == "auto":
@@ -87,8 +92,15 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 4 << 30  # the host-memory block tier (swap-out and second-level prefix cache)
+    cache_dtype: str = "auto"  # the KV cache's element type, a KV_CACHE_DTYPES key ("auto": the model's dtype)
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.cache_dtype] or model_dtype
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}; "
+                             f"fix --kv-cache-dtype.")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space must not be negative, got {self.swap_space_bytes} bytes; fix --swap-space.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -1,11 +1,12 @@
 """`pagellm bench accuracy`: what a weight or arithmetic format costs in accuracy, against float32 on the same
 checkpoint.
 
-Loads the model twice: the float32 baseline (`--quantization none`) and the format asked for (`--quantization`,
-`--quantize-activations`), and compares
+Loads the model twice: the float32 baseline (`--quantization none`, a float32 KV cache) and the format asked for
+(`--quantization`, `--quantize-activations`, `--kv-cache-dtype`), and compares
 1. the perplexity of a text (prompt logprobs of every token: prefill, where every format multiplies with float32
    activations) and the mean and largest per-token logprob difference;
-2. decode steps, where `--quantize-activations` applies: the logprob the format gives each token it generates
+2. decode steps, where `--quantize-activations` and a narrower KV cache apply (a prompt of one chunk attends to its
+   own float32 K/V): the logprob the format gives each token it generates
    greedily, against the baseline's logprob of the same token after the same prefix;
 3. greedy continuations: tokens identical, and where each first diverges.
 """
@@ -45,7 +46,8 @@ def _greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[i
 
 def _label(engine_args: dict) -> str:
     label = engine_args["quantization"] or "default"
-    return label + (" + int8 activations" if engine_args["quantize_activations"] else "")
+    label += " + int8 activations" if engine_args["quantize_activations"] else ""
+    return label + (f" + {engine_args['kv_cache_dtype']} KV cache" if engine_args["kv_cache_dtype"] != "auto" else "")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
 
     engine_args = vars(EngineArgs.from_cli_args(args))
     text = args.text.read_text(encoding="utf-8")
-    baseline = LLM(**{**engine_args, "quantization": "none", "quantize_activations": False})
+    baseline = LLM(**{**engine_args, "quantization": "none", "quantize_activations": False, "kv_cache_dtype": "auto"})
     tokenizer = baseline.get_tokenizer()
     ids = tokenizer(text)["input_ids"][:args.max_text_tokens]
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]

@@ -1,8 +1,9 @@
 """`pagellm bench latency`: prefill and decode speed at fixed batch sizes, beside transformers and llama.cpp.
 
 Every backend runs the same random-token prompts in this process on the same threads. Prefill tok/s is
-batch x input_len over the time to the first token; decode tok/s is batch x output_len over the time of the
-remaining steps (generation of 1 + output_len tokens minus generation of 1). llama.cpp runs through the
+batch x input_len over the time until every prompt has its first token; decode tok/s is the tokens of the remaining
+steps over their time (pagellm: its decode-only steps, timed one by one; the other backends, which prefill a batch
+in one call: generation of 1 + output_len tokens minus generation of 1). llama.cpp runs through the
 `llama-cpp-python` binding on the GGUF file itself, in a child process of its own (`llama_cpp_peer`; one sequence,
 as `llama-bench`: fixed tokens fed back, no sampling), and at float32 on an F32 GGUF written here with the `gguf`
 package from the same weights.
@@ -67,33 +68,55 @@ def _best_of(repeats: int, run: Callable[[int], float], output_len: int) -> tupl
 
 
 def bench_pagellm(llm, prompts: list[list[int]], output_len: int, repeats: int, step_split: bool) -> LatencyResult:
+    """Drives the engine step by step, so decode is timed on decode-only steps: a long prompt's prefill runs in
+    chunks over several steps, and the steps that mix the last chunks with early sequences' decodes belong to
+    neither figure cleanly (subtracting a 1-token run from a longer one charged them, and their noise, to decode)."""
     from pagellm import SamplingParams
 
-    vocab = llm.llm_engine.config.model_config.vocab_size
+    engine = llm.llm_engine
+    vocab = engine.config.model_config.vocab_size
     runs = itertools.count(1)
 
-    def run(n: int) -> float:
+    def run(n: int) -> tuple[float, float, int]:
+        """Generate n tokens per prompt: (seconds until every prompt has its first token, seconds of the steps
+        after that, tokens those steps generated)."""
         # A new first token each run: block hashes chain, so the prefix cache holds nothing of the prompts and
         # every run pays its whole prefill, as the other backends do.
         shift = next(runs)
-        requests = [{"prompt_token_ids": [(p[0] + shift) % vocab, *p[1:]]} for p in prompts]
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate(requests, params, use_tqdm=False)
-        return time.perf_counter() - start
+        for i, p in enumerate(prompts):
+            engine.add_request(f"latency-{shift}-{i}", {"prompt_token_ids": [(p[0] + shift) % vocab, *p[1:]]},
+                               params)
+        started: set[str] = set()
+        first_tokens = decode = 0.0
+        decode_tokens = 0
+        while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            outputs, generated = engine.step_outputs()
+            if len(started) == len(prompts):
+                decode += time.perf_counter() - step_start
+                decode_tokens += generated
+                continue
+            started.update(o.request_id for o in outputs)
+            if len(started) == len(prompts):
+                first_tokens = time.perf_counter() - start
+        return first_tokens, decode, decode_tokens
 
     run(2)  # warm-up: kernels built, caches touched
-    prefill, decode = _best_of(repeats, run, output_len)
+    measured = [run(1 + output_len) for _ in range(repeats)]
+    prefill = min(first_tokens for first_tokens, _, _ in measured)
+    decode_tok_s = max(tokens / seconds for _, seconds, tokens in measured)
     if step_split:
-        timings = llm.llm_engine.engine_core.step_timings
-        run(1)
+        timings = engine.engine_core.step_timings
         timings.reset()
         run(1 + output_len)
         print(f"  pagellm step split, batch {len(prompts)} (prefill step included): {timings.report()}")
-    config = llm.llm_engine.config.model_config
-    weight_bytes = llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0]
-    return _result("pagellm", prompts, output_len, prefill, decode, weight_bytes,
-                   kv_bytes_per_token(config.hf_config, config.dtype.itemsize))
+    model_config = engine.config.model_config
+    weight_bytes = engine.engine_core.executor.collective_rpc("weight_bytes")[0]
+    kv_dtype = engine.config.cache_config.kv_dtype(model_config.dtype)
+    return _result("pagellm", prompts, prefill, decode_tok_s, weight_bytes,
+                   kv_bytes_per_token(model_config.hf_config, kv_dtype.itemsize))
 
 
 def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> LatencyResult:
@@ -111,7 +134,7 @@ def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> 
     run(2)
     prefill, decode = _best_of(repeats, run, output_len)
     weight_bytes = sum(p.nbytes for p in model.parameters() if p.dim() == 2)
-    return _result("transformers", prompts, output_len, prefill, decode, weight_bytes,
+    return _result("transformers", prompts, prefill, len(prompts) * output_len / decode, weight_bytes,
                    kv_bytes_per_token(model.config, model.dtype.itemsize))
 
 
@@ -125,15 +148,14 @@ def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: i
                "--threads", str(torch.get_num_threads())]
     seconds = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2)
-    return _result(name, [prompt], output_len, seconds["prefill_seconds"], seconds["decode_seconds"], weight_bytes,
-                   kv_bytes_per_token(hf_config, LLAMA_CPP_KV_BYTES))
+    return _result(name, [prompt], seconds["prefill_seconds"], output_len / seconds["decode_seconds"],
+                   weight_bytes, kv_bytes_per_token(hf_config, LLAMA_CPP_KV_BYTES))
 
 
-def _result(backend: str, prompts: list[list[int]], output_len: int, prefill: float, decode: float,
-            weight_bytes: int, kv_bytes: int) -> LatencyResult:
+def _result(backend: str, prompts: list[list[int]], prefill: float, decode_tok_s: float, weight_bytes: int,
+            kv_bytes: int) -> LatencyResult:
     batch = len(prompts)
-    return LatencyResult(backend, batch, batch * len(prompts[0]) / prefill, batch * output_len / decode,
-                         weight_bytes, kv_bytes)
+    return LatencyResult(backend, batch, batch * len(prompts[0]) / prefill, decode_tok_s, weight_bytes, kv_bytes)
 
 
 def decode_step_bytes(result: LatencyResult, input_len: int, output_len: int) -> float:
@@ -193,7 +215,8 @@ def run(args: argparse.Namespace) -> None:
     peak = peak_matmul_flops(model_config.dtype, device)
     print(f"{model_config.served_model_name}: input {args.input_len}, output {args.output_len} tokens, "
           f"{torch.get_num_threads()} threads, {device}; quantization {model_config.quantization}"
-          f"{' + int8 activations' if model_config.quantize_activations else ''}"
+          f"{' + int8 activations' if model_config.quantize_activations else ''}, "
+          f"KV cache {str(llm.llm_engine.config.cache_config.kv_dtype(model_config.dtype)).removeprefix('torch.')}"
           f"{'; async scheduling' if llm.llm_engine.config.scheduler_config.async_scheduling else ''}. "
           f"Machine: {bandwidth / 1e9:.1f} GB/s memory read, {peak / 1e9:.0f} GFLOP/s "
           f"{str(model_config.dtype).removeprefix('torch.')} matmul peak.")

@@ -84,7 +84,8 @@ def pressure_args(engine_args: EngineArgs, requests: list[BenchRequest], fractio
     block_size = engine_args.block_size
     needed = sum(math.ceil((len(r.prompt_token_ids) + r.output_len) / block_size) for r in requests)
     num_blocks = max(math.ceil(fraction * needed), math.ceil(max_model_len / block_size))
-    per_block = kv_bytes_per_block(engine_args.create_engine_config().model_config, block_size)
+    config = engine_args.create_engine_config()
+    per_block = kv_bytes_per_block(config.model_config, config.cache_config)
     return dataclasses.replace(engine_args, kv_cache_memory_bytes=num_blocks * per_block)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from pagellm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -49,6 +50,7 @@ class EngineArgs:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured graphs
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for the host block tier
+    kv_cache_dtype: str = "auto"  # the model's dtype; float16 or bfloat16 halve a float32 model's cache
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     short_first_max_wait: float = 10.0  # seconds
@@ -104,7 +106,8 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization,
-                                     self.enable_prefix_caching, int(self.swap_space * (1 << 30))),
+                                     self.enable_prefix_caching, int(self.swap_space * (1 << 30)),
+                                     self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(max_model_len, self.max_num_seqs, self.max_num_batched_tokens,
                                              self.enable_chunked_prefill, self.scheduling_policy,
                                              self.preemption_mode, self.short_first_max_wait,
@@ -188,6 +191,10 @@ class EngineArgs:
         parser.add_argument("--swap-space", type=float, default=EngineArgs.swap_space,
                             help="GiB of host memory for the host KV block tier (swap preemption and the "
                                  "second-level prefix cache); 0 turns the tier off")
+        parser.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                            help="element type of the KV cache (auto: the model's dtype); float16 or bfloat16 "
+                                 "halve a float32 model's cache, so it holds twice the tokens and decode attention "
+                                 "reads half the bytes, at the cost of rounding K and V")
         parser.add_argument("--preemption-mode", default=EngineArgs.preemption_mode, choices=PREEMPTION_MODES,
                             help="what a preempted request's K/V becomes: recomputed later, or swapped to the host "
                                  "tier and back (recompute when the host tier is full)")

@@ -28,7 +28,7 @@ class _Decoder(ctypes.Structure):
     _fields_ = [*((name, _PTR) for name in ("matmul", "rms_norm", "silu_and_mul", "rope", "write_cache",
                                              "attention")),
                 *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
-                                            "block_size", "num_layers")),
+                                            "block_size", "num_layers", "kv_type")),
                 ("eps", _F32), ("scale", _F32), ("cos_table", _PTR), ("sin_table", _PTR),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -83,17 +83,19 @@ class FusedDecoder:
         self._decoder = _Decoder(
             _address(lib_linear.pagellm_matmul), _address(lib_elementwise.rms_norm_f32),
             _address(lib_elementwise.silu_and_mul_f32), _address(lib_elementwise.rope_f32),
-            _address(lib_attention.reshape_and_cache_f32), _address(lib_attention.paged_decode_attention_f32),
-            hidden, heads, kv_heads, head_dim, intermediate, 0, 0, len(layers), eps, head_dim ** -0.5,
+            _address(lib_attention.reshape_and_cache), _address(lib_attention.paged_decode_attention),
+            hidden, heads, kv_heads, head_dim, intermediate, 0, 0, len(layers), 0, eps, head_dim ** -0.5,
             cos_table.data_ptr(), sin_table.data_ptr(), self._layers)
         self._caches: list[torch.Tensor] | None = None
         self._run = load().pagellm_decoder_forward
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> None:
-        """Point the layers at this KV cache ([2, Hkv, num_blocks, block_size, D] per layer)."""
+        """Point the layers at this KV cache ([2, Hkv, num_blocks, block_size, D] per layer, any of
+        `paged_attention.KV_TYPES`)."""
         for struct, cache_tensor in zip(self._layers, kv_caches):
             struct.key_cache, struct.value_cache = cache_tensor[0].data_ptr(), cache_tensor[1].data_ptr()
         self._decoder.num_blocks, self._decoder.block_size = kv_caches[0].shape[2], kv_caches[0].shape[3]
+        self._decoder.kv_type = paged_attention.KV_TYPES[kv_caches[0].dtype]
         self._caches = kv_caches
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -19,17 +19,18 @@ typedef void (*rope_fn)(float *x, int64_t tokens, int64_t heads, int64_t token_s
                         const int64_t *positions, const float *cos_table, const float *sin_table);
 typedef void (*cache_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
                          int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
-                         float *key_cache, float *value_cache);
-typedef int (*attention_fn)(const float *query, const float *key_cache, const float *value_cache,
+                         void *key_cache, void *value_cache, int kv_type);
+typedef int (*attention_fn)(const float *query, const void *key_cache, const void *value_cache,
                             const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                            int64_t block_size, int64_t max_blocks, float scale, int nthreads);
+                            int64_t block_size, int64_t max_blocks, float scale, int kv_type,
+                            int64_t partition_tokens, int nthreads);
 
 typedef struct {
     const void *qkv, *o, *gate_up, *down;                              /* pagellm_matrix descriptors */
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;         /* NULL when absent */
     const float *input_norm, *post_norm, *q_norm, *k_norm;             /* q_norm, k_norm: NULL unless Qwen3 */
-    float *key_cache, *value_cache;                                    /* [kv_heads, num_blocks, block_size, D] */
+    void *key_cache, *value_cache;                 /* [kv_heads, num_blocks, block_size, D] of the decoder's kv_type */
 } pagellm_decoder_layer;
 
 typedef struct {
@@ -40,6 +41,7 @@ typedef struct {
     cache_fn write_cache;
     attention_fn attention;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size, num_layers;
+    int64_t kv_type; /* the cache's element type, as paged_attention_cpu.c numbers them */
     float eps, scale;
     const float *cos_table, *sin_table;
     const pagellm_decoder_layer *layers;
@@ -79,10 +81,11 @@ int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, 
         d->rope(wide, m, d->heads, qkv_size, d->head_dim, positions, d->cos_table, d->sin_table);
         d->rope(wide + q_size, m, d->kv_heads, qkv_size, d->head_dim, positions, d->cos_table, d->sin_table);
         d->write_cache(wide + q_size, wide + q_size + kv_size, qkv_size, qkv_size, slots, m, d->kv_heads,
-                       d->head_dim, num_slots, layer->key_cache, layer->value_cache);
+                       d->head_dim, num_slots, layer->key_cache, layer->value_cache, (int)d->kv_type);
         for (int64_t t = 0; t < m; t++) memcpy(query + t * q_size, wide + t * qkv_size, sizeof(float) * (size_t)q_size);
         if (d->attention(query, layer->key_cache, layer->value_cache, block_tables, seq_lens, mid, m, d->heads,
-                         d->kv_heads, d->head_dim, d->num_blocks, d->block_size, max_blocks, d->scale, nthreads)) {
+                         d->kv_heads, d->head_dim, d->num_blocks, d->block_size, max_blocks, d->scale,
+                         (int)d->kv_type, 0, nthreads)) {
             status = -1;
             break;
         }

@@ -1,7 +1,8 @@
-"""Paged decode attention on the CPU: the C kernel (built on first use by `kernels.build`) and its caller.
+"""Paged decode attention on the CPU: the C kernel (built on first use by `kernels.build`) and its callers.
 
-The kernel spreads (sequence, kv head) pairs over OpenMP threads itself. When it cannot be built, `load()` returns
-None and the attention layer uses its PyTorch path.
+The kernel spreads (sequence, kv head, partition) units over OpenMP threads itself. Queries and outputs are
+float32; the cache may be float32, float16 or bfloat16 (`KV_TYPES`). When the kernel cannot be built, `load()`
+returns None and the attention layer uses its PyTorch path.
 """
 from __future__ import annotations
 
@@ -15,37 +16,41 @@ from pagellm.kernels.build import load_library
 
 _SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C side's KV_F32, KV_F16, KV_BF16
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     library = load_library(_SOURCE, _FLAGS, "CPU decode attention")
     if library is not None:
-        function = library.paged_decode_attention_f32
-        function.argtypes = [_PTR] * 6 + [_I64] * 7 + [_F32, ctypes.c_int]
-        function.restype = ctypes.c_int
-        library.reshape_and_cache_f32.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
-        library.reshape_and_cache_f32.restype = None
+        library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [_F32, _INT, _I64, _INT]
+        library.paged_decode_attention.restype = _INT
+        library.reshape_and_cache.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
+        library.reshape_and_cache.restype = None
     return library
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """key, value [T, Hkv, D] float32 with contiguous head rows (any token stride); caches [Hkv, num_blocks,
-    block_size, D]; slot_mapping [T] int64."""
+    block_size, D] of a `KV_TYPES` dtype (values rounded to it, to nearest even); slot_mapping [T] int64."""
     num_tokens, num_kv_heads, head_dim = key.shape
+    assert key.dtype == value.dtype == torch.float32
     assert key.stride()[1:] == (head_dim, 1) and value.stride()[1:] == (head_dim, 1)
-    load().reshape_and_cache_f32(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
-                                 slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
-                                 key_cache.shape[1] * key_cache.shape[2], key_cache.data_ptr(),
-                                 value_cache.data_ptr())
+    load().reshape_and_cache(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+                             slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
+                             key_cache.shape[1] * key_cache.shape[2], key_cache.data_ptr(), value_cache.data_ptr(),
+                             KV_TYPES[key_cache.dtype])
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [B, H, D] float32; caches [Hkv, num_blocks, block_size, D]; block_tables [B, max_blocks] int64;
-    seq_lens [B] int64 (including the query token). Returns [B, H, D]."""
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           partition_tokens: int = 0) -> torch.Tensor:
+    """query [B, H, D] float32; caches [Hkv, num_blocks, block_size, D] of a `KV_TYPES` dtype; block_tables
+    [B, max_blocks] int64; seq_lens [B] int64 (including the query token). Returns [B, H, D] float32.
+    `partition_tokens` splits sequences into partitions of that many tokens (rounded up to whole blocks); 0 lets
+    the kernel split only when there are too few (sequence, kv head) pairs for the threads."""
     library = load()
     assert library is not None, "call load() first and fall back when it returns None"
     query = query.contiguous()
@@ -53,10 +58,10 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     batch, num_heads, head_dim = query.shape
     num_kv_heads, num_blocks, block_size, _ = key_cache.shape
     out = torch.empty_like(query)
-    status = library.paged_decode_attention_f32(
+    status = library.paged_decode_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-        block_tables.shape[1], scale, torch.get_num_threads())
+        block_tables.shape[1], scale, KV_TYPES[key_cache.dtype], partition_tokens, torch.get_num_threads())
     if status != 0:
-        raise MemoryError("paged_decode_attention_f32 could not allocate its score buffer")
+        raise MemoryError("paged_decode_attention could not allocate its scratch buffers")
     return out

@@ -1,11 +1,15 @@
-/* Decode attention straight from the paged KV cache, float32, CPU.
+/* Decode attention straight from the paged KV cache, CPU; float32 arithmetic over a float32, float16 or bfloat16
+ * cache (`--kv-cache-dtype`), and the cache write that rounds new keys and values to the cache's type.
  *
- * One query token per sequence. For each (sequence, kv head) the kernel reads every cached key of that sequence
- * once, in place, through the block table (no gathered copy), computes the scores of the query heads of the
- * group, takes the softmax and accumulates the values. Cache layout: [kv_heads, num_blocks, block_size, dim].
- * (sequence, kv head) pairs are spread over OpenMP threads (the process's libgomp, shared with PyTorch).
- * With AVX2 the dot products keep four independent accumulator chains and the value sum keeps its output row in
- * registers; otherwise the loops are left to the compiler's vectoriser.
+ * One query token per sequence. A unit of work is (sequence, kv head, partition of the sequence's tokens): it reads
+ * each cached key of its partition once, in place, through the block table (no gathered copy), scores the query
+ * heads of the group, and accumulates exp(score - max) * value, keeping the max and the sum of the exponentials.
+ * Sequences are split into partitions only when there are too few (sequence, kv head) pairs to keep every thread
+ * busy (one conversation, few kv heads); a second pass then merges each head's partitions (flash-decoding).
+ * Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over OpenMP threads (the process's libgomp,
+ * shared with PyTorch). With AVX2 the dot products keep four independent accumulator chains and the value sum keeps
+ * its output row in registers; otherwise the loops are left to the compiler's vectoriser. Each cache type gets its
+ * own copy of the inner loops: `attend_f32` and friends call one always-inlined body with a constant type.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,7 +18,47 @@
 
 #include "simd_exp.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VECTOR_KV 1
+#else
+#define VECTOR_KV 0
+#endif
+
+static inline size_t kv_size(int kind) { return kind == KV_F32 ? 4 : 2; }
+
+/* Element i of a row of the cache, as a float. */
+ALWAYS_INLINE float load1(const void *row, int64_t i, int kind) {
+    if (kind == KV_F16) return (float)((const _Float16 *)row)[i];
+    if (kind == KV_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+        float x;
+        memcpy(&x, &bits, sizeof x);
+        return x;
+    }
+    return ((const float *)row)[i];
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16) does; NaN stays NaN. */
+static inline uint16_t float_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#if VECTOR_KV
+/* Elements i..i+7 of a row of the cache, as floats. */
+ALWAYS_INLINE __m256 load8(const void *row, int64_t i, int kind) {
+    if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (kind == KV_BF16) {
+        const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    }
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -23,31 +67,38 @@ static inline float hsum256(__m256 v) {
 }
 #endif
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-#if defined(__AVX2__) && defined(__FMA__)
+/* The first cached row of a sequence's block `blk`, through its block table; the block's rows follow it. */
+ALWAYS_INLINE const char *block_rows(const void *base, const int64_t *table, int64_t blk, int64_t block_size,
+                                     int64_t head_dim, int kind) {
+    return (const char *)base + (size_t)(table[blk] * block_size * head_dim) * kv_size(kind);
+}
+
+ALWAYS_INLINE float dot(const float *q, const void *k, int64_t n, int kind) {
+#if VECTOR_KV
     if (n % 32 == 0) { /* four chains: one dependent FMA chain would leave the FMA units waiting on latency */
         __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
         for (int64_t i = 0; i < n; i += 32) {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
-            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, i, kind), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k, i + 8, kind), s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 16), load8(k, i + 16, kind), s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 24), load8(k, i + 24, kind), s3);
         }
         return hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
     }
 #endif
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    for (int64_t i = 0; i < n; i++) acc += q[i] * load1(k, i, kind);
     return acc;
 }
 
-/* In place; vectorised exp where AVX2 is there (a scalar expf per score cost more than the dot products). */
-static inline void softmax(float *s, int64_t len) {
+/* s[t] = exp(s[t] - max) in place; returns max and the sum of the exponentials. Vectorised exp where AVX2 is there
+ * (a scalar expf per score cost more than the dot products). */
+static void exponentials(float *s, int64_t len, float *max_out, float *sum_out) {
     float max = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < len; t++) max = s[t] > max ? s[t] : max;
     int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if VECTOR_KV
     const __m256 vmax = _mm256_set1_ps(max);
     __m256 vsum = _mm256_setzero_ps();
     for (; t + 8 <= len; t += 8) {
@@ -58,34 +109,40 @@ static inline void softmax(float *s, int64_t len) {
     sum = hsum256(vsum);
 #endif
     for (; t < len; t++) { s[t] = expf(s[t] - max); sum += s[t]; }
-    const float inv = 1.0f / sum;
-    for (t = 0; t < len; t++) s[t] *= inv;
+    *max_out = max;
+    *sum_out = sum;
 }
 
-/* Blocks are scattered, so the hardware prefetcher stops at each block's edge: ask for the next one early. */
-static inline void prefetch_block(const float *base, const int64_t *table, int64_t block, int64_t len,
-                                  int64_t block_size, int64_t head_dim) {
-    if (block * block_size >= len) return;
-    const char *start = (const char *)(base + table[block] * block_size * head_dim);
-    const int64_t bytes = block_size * head_dim * (int64_t)sizeof(float);
-    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, 0, 1);
+/* Blocks are scattered, so the hardware prefetcher stops at each block's edge: while a block is read, its rows ask
+ * for the same rows of the next one (NULL past the end), a row per row, spread out (asking for a whole block at once
+ * stalled the loop on the prefetch instructions: a third of its time, measured). */
+ALWAYS_INLINE const char *next_block(const void *base, const int64_t *table, int64_t blk, int64_t end,
+                                     int64_t block_size, int64_t head_dim, int kind) {
+    return (blk + 1) * block_size < end ? block_rows(base, table, blk + 1, block_size, head_dim, kind) : NULL;
 }
 
-/* o[0..head_dim) = sum_t p[t] * v_t over the sequence's cached values, walking its blocks. */
-static inline void weighted_values(const float *p, const float *values, const int64_t *table, int64_t len,
-                                   float *o, int64_t head_dim, int64_t block_size) {
-#if defined(__AVX2__) && defined(__FMA__)
+ALWAYS_INLINE void prefetch_row(const char *next, int64_t i, size_t row_bytes) {
+    if (next == NULL) return;
+    for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(next + i * row_bytes + offset, 0, 3);
+}
+
+/* o[0..head_dim) = sum_t p[t - begin] * v_t over tokens [begin, end) (begin a multiple of block_size). */
+ALWAYS_INLINE void weighted_values(const float *p, const void *values, const int64_t *table, int64_t begin,
+                                   int64_t end, float *o, int64_t head_dim, int64_t block_size, int kind) {
+    const size_t row_bytes = (size_t)head_dim * kv_size(kind);
+#if VECTOR_KV
     if (head_dim % 64 == 0) { /* 64 columns at a time in 8 registers: no load and store of o per token */
         for (int64_t c = 0; c < head_dim; c += 64) {
             __m256 acc[8];
             for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t blk = 0, t0 = 0; t0 < len; blk++, t0 += block_size) {
-                if (c == 0) prefetch_block(values, table, blk + 1, len, block_size, head_dim);
-                const float *v = values + table[blk] * block_size * head_dim + c;
-                const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-                for (int64_t i = 0; i < n; i++, v += head_dim) {
-                    const __m256 w = _mm256_set1_ps(p[t0 + i]);
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+            for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
+                const char *v = block_rows(values, table, blk, block_size, head_dim, kind);
+                const char *next = c == 0 ? next_block(values, table, blk, end, block_size, head_dim, kind) : NULL;
+                const int64_t n = end - t0 < block_size ? end - t0 : block_size;
+                for (int64_t i = 0; i < n; i++, v += row_bytes) {
+                    prefetch_row(next, i, row_bytes);
+                    const __m256 w = _mm256_set1_ps(p[t0 - begin + i]);
+                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, load8(v, c + 8 * j, kind), acc[j]);
                 }
             }
             for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + c + 8 * j, acc[j]);
@@ -94,81 +151,168 @@ static inline void weighted_values(const float *p, const float *values, const in
     }
 #endif
     memset(o, 0, sizeof(float) * (size_t)head_dim);
-    for (int64_t blk = 0, t0 = 0; t0 < len; blk++, t0 += block_size) {
-        const float *v = values + table[blk] * block_size * head_dim;
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, v += head_dim) {
-            const float w = p[t0 + i];
+    for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
+        const char *v = block_rows(values, table, blk, block_size, head_dim, kind);
+        const int64_t n = end - t0 < block_size ? end - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, v += row_bytes) {
+            const float w = p[t0 - begin + i];
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) o[d] += w * v[d];
+            for (int64_t d = 0; d < head_dim; d++) o[d] += w * load1(v, d, kind);
         }
     }
 }
 
-/* One (sequence, kv head): scores of its query-head group against every cached key, softmax, weighted values. */
-static void attend(const float *q, const float *keys, const float *values, const int64_t *table, int64_t len,
-                   float *o, float *scores, int64_t group, int64_t head_dim, int64_t block_size, float scale) {
-    for (int64_t blk = 0, t0 = 0; t0 < len; blk++, t0 += block_size) {
-        prefetch_block(keys, table, blk + 1, len, block_size, head_dim);
-        const float *k = keys + table[blk] * block_size * head_dim;
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, k += head_dim)
-            for (int64_t g = 0; g < group; g++) scores[g * len + t0 + i] = dot(q + g * head_dim, k, head_dim) * scale;
+/* One unit: the query heads of a group against tokens [begin, end) of one sequence. Per head g, o[g] gets the
+ * unnormalised sum of exp(score - max) * value and stats[2g], stats[2g + 1] the max and the sum of exponentials.
+ * Loads widen a narrow cache's values as they go (converting a block into a float32 scratch first, once for the
+ * whole group, measured slower: the conversion then waits on memory with nothing to overlap). */
+ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, const int64_t *table,
+                          int64_t begin, int64_t end, float *o, float *stats, float *scores, int64_t group,
+                          int64_t head_dim, int64_t block_size, float scale, int kind) {
+    const int64_t len = end - begin;
+    const size_t row_bytes = (size_t)head_dim * kv_size(kind);
+    for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
+        const char *k = block_rows(keys, table, blk, block_size, head_dim, kind);
+        const char *next = next_block(keys, table, blk, end, block_size, head_dim, kind);
+        const int64_t n = end - t0 < block_size ? end - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, k += row_bytes) {
+            prefetch_row(next, i, row_bytes);
+            for (int64_t g = 0; g < group; g++)
+                scores[g * len + t0 - begin + i] = dot(q + g * head_dim, k, head_dim, kind) * scale;
+        }
     }
     for (int64_t g = 0; g < group; g++) {
-        softmax(scores + g * len, len);
-        weighted_values(scores + g * len, values, table, len, o + g * head_dim, head_dim, block_size);
+        exponentials(scores + g * len, len, stats + 2 * g, stats + 2 * g + 1);
+        weighted_values(scores + g * len, values, table, begin, end, o + g * head_dim, head_dim, block_size, kind);
     }
 }
 
-int paged_decode_attention_f32(const float *query,      /* [B, H, D] */
-                               const float *key_cache,  /* [Hkv, num_blocks, block_size, D] */
-                               const float *value_cache,
-                               const int64_t *block_tables, /* [B, max_blocks] */
-                               const int64_t *seq_lens,     /* [B] */
-                               float *out,                  /* [B, H, D] */
-                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
-                               int nthreads) {
-    const int64_t group = num_heads / num_kv_heads;
+typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, float *,
+                          float *, float *, int64_t, int64_t, int64_t, float);
+#define ATTEND_FOR(name, kind)                                                                                   \
+    static void name(const float *q, const void *k, const void *v, const int64_t *table, int64_t begin,          \
+                     int64_t end, float *o, float *stats, float *scores, int64_t group, int64_t head_dim,        \
+                     int64_t block_size, float scale) {                                                          \
+        attend(q, k, v, table, begin, end, o, stats, scores, group, head_dim, block_size, scale, kind);          \
+    }
+ATTEND_FOR(attend_f32, KV_F32)
+ATTEND_FOR(attend_f16, KV_F16)
+ATTEND_FOR(attend_bf16, KV_BF16)
+
+/* Tokens per partition, in whole blocks: `requested` if positive, else at least 256 tokens (so a unit's fixed costs
+ * stay small), splitting sequences only until there are about four units per thread. */
+static int64_t partition_tokens(int64_t requested, int64_t pairs, int64_t longest, int64_t block_size,
+                                int nthreads) {
+    int64_t tokens = requested;
+    if (tokens <= 0) {
+        const int64_t wanted_parts = (4 * (int64_t)nthreads + pairs - 1) / pairs;
+        tokens = (longest + wanted_parts - 1) / wanted_parts;
+        if (tokens < 256) tokens = 256;
+    }
+    return (tokens + block_size - 1) / block_size * block_size;
+}
+
+int paged_decode_attention(const float *query,      /* [B, H, D] */
+                           const void *key_cache,   /* [Hkv, num_blocks, block_size, D] of kv_type */
+                           const void *value_cache,
+                           const int64_t *block_tables, /* [B, max_blocks] */
+                           const int64_t *seq_lens,     /* [B] */
+                           float *out,                  /* [B, H, D] */
+                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale, int kv_type,
+                           int64_t requested_partition_tokens, /* 0: chosen from the batch and the threads */
+                           int nthreads) {
+    const attend_fn attend_unit = kv_type == KV_F16 ? attend_f16 : kv_type == KV_BF16 ? attend_bf16 : attend_f32;
+    const int64_t group = num_heads / num_kv_heads, pairs = batch * num_kv_heads;
+    const size_t head_bytes = (size_t)(num_blocks * block_size * head_dim) * kv_size(kv_type);
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (batch * num_kv_heads > 1)
+    const int64_t part_tokens = partition_tokens(requested_partition_tokens, pairs, longest, block_size, nthreads);
+    const int64_t parts = (longest + part_tokens - 1) / part_tokens;
+    /* With one partition a unit accumulates straight into `out`; otherwise into its own slice of `partial`. */
+    float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(pairs * parts * group * head_dim)) : NULL;
+    float *stats = malloc(sizeof(float) * (size_t)(pairs * parts * group * 2));
+    int failed = !stats || (parts > 1 && !partial);
+#pragma omp parallel num_threads(nthreads) if (pairs * parts > 1) shared(failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest));
+        float *scores = failed ? NULL : malloc(sizeof(float) * (size_t)(group * part_tokens));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
+#pragma omp barrier
         /* dynamic: sequences differ in length, so equal counts are not equal work */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < batch * num_kv_heads; unit++) {
-            if (!scores) continue;
-            const int64_t b = unit / num_kv_heads, kvh = unit % num_kv_heads;
-            const float *keys = key_cache + kvh * num_blocks * block_size * head_dim;
-            const float *values = value_cache + kvh * num_blocks * block_size * head_dim;
-            const float *q = query + (b * num_heads + kvh * group) * head_dim;
-            float *o = out + (b * num_heads + kvh * group) * head_dim;
-            attend(q, keys, values, block_tables + b * max_blocks, seq_lens[b], o, scores, group, head_dim,
-                   block_size, scale);
+        for (int64_t unit = 0; unit < pairs * parts; unit++) {
+            if (failed) continue;
+            const int64_t pair = unit / parts, part = unit % parts, b = pair / num_kv_heads, kvh = pair % num_kv_heads;
+            const int64_t begin = part * part_tokens;
+            const int64_t end = seq_lens[b] < begin + part_tokens ? seq_lens[b] : begin + part_tokens;
+            float *unit_stats = stats + unit * group * 2;
+            if (begin >= end) { /* a short sequence's empty partition: weight 0 in the merge */
+                for (int64_t g = 0; g < group; g++) unit_stats[2 * g] = -INFINITY, unit_stats[2 * g + 1] = 0.0f;
+                continue;
+            }
+            float *o = parts > 1 ? partial + unit * group * head_dim : out + (b * num_heads + kvh * group) * head_dim;
+            attend_unit(query + (b * num_heads + kvh * group) * head_dim, (const char *)key_cache + kvh * head_bytes,
+                        (const char *)value_cache + kvh * head_bytes, block_tables + b * max_blocks, begin, end, o,
+                        unit_stats, scores, group, head_dim, block_size, scale);
         }
         free(scores);
+        /* merge: out = sum_p exp(m_p - m) o_p / sum_p exp(m_p - m) l_p, per (sequence, head) */
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < batch * num_heads; row++) {
+            if (failed) continue;
+            const int64_t b = row / num_heads, h = row % num_heads, pair = b * num_kv_heads + h / group;
+            const int64_t g = h % group;
+            float *o = out + row * head_dim, max = -INFINITY, sum = 0.0f;
+            for (int64_t p = 0; p < parts; p++) {
+                const float m = stats[((pair * parts + p) * group + g) * 2];
+                max = m > max ? m : max;
+            }
+            if (parts > 1) memset(o, 0, sizeof(float) * (size_t)head_dim);
+            for (int64_t p = 0; p < parts; p++) {
+                const float *s = stats + ((pair * parts + p) * group + g) * 2;
+                if (s[1] == 0.0f) continue;
+                const float w = expf(s[0] - max);
+                sum += w * s[1];
+                if (parts == 1) continue; /* o already holds the one partition's sum */
+                const float *src = partial + ((pair * parts + p) * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) o[d] += w * src[d];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+        }
     }
+    free(partial);
+    free(stats);
     return failed ? -1 : 0;
 }
 
-/* Write each token's key and value into its cache slot (vLLM's reshape_and_cache). Token t, head h of k starts at
- * k + t * k_stride + h * head_dim (likewise v), so views of the fused QKV output need no copy. Caches are
- * [kv_heads, num_slots, head_dim]; slots[t] = block * block_size + offset. */
-void reshape_and_cache_f32(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
-                           int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
-                           float *key_cache, float *value_cache) {
-    const size_t row = (size_t)head_dim * sizeof(float);
+/* One row of head_dim floats into the cache's type (round to nearest even). */
+static void store_row(void *dst, const float *src, int64_t n, int kind) {
+    if (kind == KV_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    } else if (kind == KV_F16) {
+        _Float16 *h = dst;
+        for (int64_t i = 0; i < n; i++) h[i] = (_Float16)src[i];
+    } else {
+        uint16_t *h = dst;
+        for (int64_t i = 0; i < n; i++) h[i] = float_to_bf16(src[i]);
+    }
+}
+
+/* Write each token's key and value into its cache slot (vLLM's reshape_and_cache), in the cache's type. Token t,
+ * head h of k starts at k + t * k_stride + h * head_dim (likewise v), so views of the fused QKV output need no copy.
+ * Caches are [kv_heads, num_slots, head_dim]; slots[t] = block * block_size + offset. */
+void reshape_and_cache(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+                       void *key_cache, void *value_cache, int kv_type) {
+    const size_t row = (size_t)head_dim * kv_size(kv_type);
     for (int64_t t = 0; t < num_tokens; t++)
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            const int64_t dst = (h * num_slots + slots[t]) * head_dim;
-            memcpy(key_cache + dst, k + t * k_stride + h * head_dim, row);
-            memcpy(value_cache + dst, v + t * v_stride + h * head_dim, row);
+            const size_t dst = (size_t)(h * num_slots + slots[t]) * row;
+            store_row((char *)key_cache + dst, k + t * k_stride + h * head_dim, head_dim, kv_type);
+            store_row((char *)value_cache + dst, v + t * v_stride + h * head_dim, head_dim, kv_type);
         }
 }

@@ -34,14 +34,14 @@ from pagellm.config import CacheConfig, ModelConfig
 from pagellm.model_executor.host_copy import tensor_on
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, tensor_parallel_size: int = 1,
+def kv_bytes_per_block(model_config: ModelConfig, cache_config: CacheConfig, tensor_parallel_size: int = 1,
                        num_layers: int | None = None) -> int:
     """Bytes of one block on one rank (a tensor-parallel rank caches only its KV heads, a pipeline stage only its
     `num_layers` layers; None: every layer)."""
-    element_size = torch.tensor([], dtype=model_config.dtype).element_size()
+    element_size = cache_config.kv_dtype(model_config.dtype).itemsize
     num_kv_heads = model_config.get_num_kv_heads(tensor_parallel_size)
     num_layers = model_config.num_layers if num_layers is None else num_layers
-    return 2 * num_layers * block_size * num_kv_heads * model_config.head_dim * element_size
+    return 2 * num_layers * cache_config.block_size * num_kv_heads * model_config.head_dim * element_size
 
 
 class CacheEngine:
@@ -54,7 +54,8 @@ class CacheEngine:
         self.block_size = cache_config.block_size
         self.device = device
         # A pipeline stage caches its own layers only (`num_layers`; None: every layer).
-        dtype, layers = model_config.dtype, range(model_config.num_layers if num_layers is None else num_layers)
+        dtype = cache_config.kv_dtype(model_config.dtype)
+        layers = range(model_config.num_layers if num_layers is None else num_layers)
         self.kv_caches = [zeros(self._shape(model_config, num_blocks), dtype, device) for _ in layers]
         host_shape = self._shape(model_config, num_host_blocks)
         self.host_caches = [host_zeros(host_shape, dtype, device) for _ in layers] if num_host_blocks else []

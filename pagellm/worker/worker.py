@@ -164,8 +164,8 @@ class Worker:
 
     def _kv_bytes_per_block(self) -> int:
         """One block of this rank's KV cache: its KV heads, its pipeline stage's layers."""
-        return kv_bytes_per_block(self.config.model_config, self.config.cache_config.block_size,
-                                  self.tensor_parallel_size, self.num_layers)
+        return kv_bytes_per_block(self.config.model_config, self.config.cache_config, self.tensor_parallel_size,
+                                  self.num_layers)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The KV cache of `num_blocks` blocks (and the host tier); on CUDA, then the decode graphs, which take one

@@ -26,15 +26,20 @@ def cli(*args: str) -> str:
 
 
 def test_latency_against_transformers_with_step_split(tiny_model_factory):
+    # A 16-token step budget chunks the batch of 3 prompts of 12 over three steps, two of them mixed with decodes:
+    # decode is timed on the decode-only steps after them.
     out = cli("latency", "--model", str(tiny_model_factory("llama")), "--backends", "pagellm,hf", "--batch-size",
               "1,3", "--input-len", "12", "--output-len", "16", "--repeats", "1", "--step-split",
-              "--kv-cache-memory", "8MiB")
+              "--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "16", "--kv-cache-dtype", "float16")
     assert "pagellm step split, batch 3" in out and "forward" in out and "sample" in out
     rows = [line.split() for line in out.splitlines()
             if line.split()[:1] in (["pagellm"], ["transformers"]) and line.split()[1].isdigit()]
     assert sorted((r[0], r[1]) for r in rows) == [("pagellm", "1"), ("pagellm", "3"), ("transformers", "1"),
                                                    ("transformers", "3")]
     assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)  # prefill and decode tok/s
+    kv_mb = {(r[0], r[1]): float(r[6]) for r in rows}  # a float16 cache: half the bytes of transformers' float32
+    assert kv_mb[("pagellm", "3")] == pytest.approx(kv_mb[("transformers", "3")] / 2, abs=0.05)
+    assert "KV cache float16" in out
     assert "pagellm / transformers at batch 3: prefill" in out
     assert "quantization none" in out  # a float checkpoint: nothing packed by default
 
@@ -108,6 +113,20 @@ def test_accuracy_of_int8_against_float32(tiny_model_factory, tmp_path):
     assert "per-token logprob difference: mean" in out
     assert "decode-step logprob difference over 32 generated tokens" in out
     assert "greedy tokens identical:" in out and "of 32" in out
+
+
+def test_accuracy_of_a_float16_kv_cache(tiny_model_factory, tmp_path):
+    """Same weights, a float16 cache: a prompt of one chunk attends to its own float32 K/V, so its perplexity is
+    unchanged; decode steps read rounded K/V and move a little."""
+    text = tmp_path / "text.txt"
+    text.write_text("The paged KV cache stores keys and values in fixed-size blocks. " * 8)
+    out = cli("accuracy", "--model", str(tiny_model_factory("llama")), "--kv-cache-dtype", "float16", "--text",
+              str(text), "--max-text-tokens", "60", "--greedy-tokens", "8", "--kv-cache-memory", "8MiB")
+    baseline, half = re.search(r"float32 ([0-9.]+), default \+ float16 KV cache ([0-9.]+)", out).groups()
+    assert baseline == half
+    largest = float(re.search(r"decode-step logprob difference over 64 generated tokens: mean [0-9.]+, max ([0-9.]+)",
+                              out).group(1))
+    assert 1e-5 < largest < 0.05
 
 
 FAKE_LLAMA_CPP = '''

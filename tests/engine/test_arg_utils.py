@@ -1,8 +1,9 @@
 """`--quantization` (and `--quantize-activations`) resolution in EngineArgs: the default per model kind and device,
-and clear errors."""
+and clear errors; `--kv-cache-dtype`."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagellm.engine.arg_utils import EngineArgs
 
@@ -36,3 +37,16 @@ def test_float_checkpoint_defaults_to_none_and_may_ask_for_int8(tiny_model_facto
 def test_bad_quantization_is_a_clear_error(tiny_model_factory, kwargs, message):
     with pytest.raises(ValueError, match=message):
         resolved(model=str(tiny_model_factory("llama")), **kwargs)
+
+
+def test_kv_cache_dtype_resolves_against_the_model_dtype(tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    auto = EngineArgs(model=model).create_engine_config()
+    assert auto.cache_config.kv_dtype(auto.model_config.dtype) == torch.float32
+    half = EngineArgs(model=model, kv_cache_dtype="float16").create_engine_config()
+    assert half.cache_config.kv_dtype(half.model_config.dtype) == torch.float16
+    bf16 = EngineArgs(model=model, dtype="bfloat16").create_engine_config()
+    assert bf16.cache_config.kv_dtype(bf16.model_config.dtype) == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, got "
+                                         "'fp8'; fix --kv-cache-dtype"):
+        EngineArgs(model=model, kv_cache_dtype="fp8").create_engine_config()

@@ -1,5 +1,6 @@
 """Every decode-attention backend (the C kernel, the Triton kernel, the PyTorch path) and the prefill paths against
-a plain reference: softmax attention over each sequence's keys, written out per sequence with no paging at all.
+a plain reference: softmax attention over each sequence's keys, written out per sequence with no paging at all
+(over a narrower cache type, the keys and values rounded to it by torch).
 
 Without a GPU the Triton kernel runs under Triton's interpreter, which must be switched on before the kernel
 module is first imported (this module's import, at collection)."""
@@ -17,6 +18,7 @@ if not torch.cuda.is_available():
 from pagellm.kernels import paged_attention as cpu_kernels  # noqa: E402
 from pagellm.kernels import triton_attention  # noqa: E402
 from pagellm.model_executor.host_copy import StagedCopy  # noqa: E402
+from pagellm.model_executor.layers import attention as attention_layer  # noqa: E402
 from pagellm.model_executor.layers.attention import (  # noqa: E402
     PREFILL_BLOCK_M,
     Attention,
@@ -26,6 +28,7 @@ from pagellm.model_executor.layers.attention import (  # noqa: E402
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # --kv-cache-dtype's types
 
 
 def reference_attention(q, keys, values, scale, causal_offset=None):
@@ -38,6 +41,11 @@ def reference_attention(q, keys, values, scale, causal_offset=None):
         allowed = torch.arange(keys.shape[0])[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it, widened back to float32."""
+    return x.to(dtype).float()
 
 
 def random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=0):
@@ -143,8 +151,68 @@ def test_triton_decode_half_precision(dtype):
                                        atol=2e-3 if dtype == torch.float16 else 1e-2)
 
 
-def test_mixed_batch_with_chunked_prefill_matches_reference():
-    """Decodes, a fresh prompt and a later chunk of a chunked prefill, in one flat batch through forward()."""
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens,partition_tokens", [
+    (9, 3, 64, 16, [2000], 0),  # one conversation, 3 kv heads: split so that every thread gets work
+    (4, 2, 32, 4, [1500, 5, 300], 256),  # a short sequence's later partitions are empty; scalar value sums
+    (2, 2, 16, 1, [1, 17, 600], 7),  # scalar dot products too; partitions of 7 tokens of 1-token blocks
+    (4, 2, 64, 16, [40, 3], 0),  # no split
+])
+def test_c_decode_over_narrow_caches_and_partitions(kv_dtype, heads, kv_heads, head_dim, block_size, seq_lens,
+                                                    partition_tokens):
+    """The C kernel reads float32, float16 and bfloat16 caches (float32 arithmetic on the stored values) and splits
+    long sequences into partitions whose partial softmaxes it merges (flash-decoding)."""
+    cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=head_dim)
+    q = torch.randn(len(seq_lens), heads, head_dim)
+    meta = decode_metadata(tables, seq_lens)
+    out = cpu_kernels.paged_decode_attention(q, cache[0].to(kv_dtype), cache[1].to(kv_dtype),
+                                             meta.decode_block_tables, meta.decode_seq_lens, head_dim ** -0.5,
+                                             partition_tokens)
+    for i, (k, v) in enumerate(contiguous):
+        expected = reference_attention(q[i:i + 1], rounded(k, kv_dtype), rounded(v, kv_dtype), head_dim ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_torch_decode_over_narrow_caches(kv_dtype):
+    seq_lens = [9, 70, 1]
+    cache, tables, contiguous = random_paged_cache(seq_lens, 2, 32, 8)
+    q = torch.randn(len(seq_lens), 4, 32)
+    attn = Attention(4, 2, 32)
+    out = run_decode(attn, q, cache.to(kv_dtype), decode_metadata(tables, seq_lens), "torch")
+    for i, (k, v) in enumerate(contiguous):
+        expected = reference_attention(q[i:i + 1], rounded(k, kv_dtype), rounded(v, kv_dtype), attn.scale)
+        torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_c_cache_write_rounds_as_torch_does(kv_dtype):
+    """New keys and values land in their slots rounded to nearest even, bit for bit as torch's .to() rounds them,
+    from 1e-9 (float16 subnormals, and below) to 1e6 (past float16's range: infinity), read through views of a
+    fused QKV row as the model passes them."""
+    tokens, kv_heads, head_dim, num_blocks, block_size = 37, 3, 64, 8, 16
+    gen = torch.Generator().manual_seed(3)
+    magnitudes = 10.0 ** (torch.rand(tokens, 6 * kv_heads * head_dim, generator=gen) * 15 - 9)
+    qkv = torch.randn(tokens, 6 * kv_heads * head_dim, generator=gen) * magnitudes
+    k = qkv[:, 4 * kv_heads * head_dim:5 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 5 * kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    key_cache = torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=kv_dtype)
+    value_cache = torch.zeros_like(key_cache)
+    cpu_kernels.reshape_and_cache(k, v, key_cache, value_cache, slots)
+    for cache, fresh in ((key_cache, k), (value_cache, v)):
+        expected = torch.zeros_like(cache).view(kv_heads, -1, head_dim)
+        expected[:, slots] = fresh.transpose(0, 1).to(kv_dtype)
+        assert torch.equal(cache.view(kv_heads, -1, head_dim).view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["c", "torch"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_mixed_batch_with_chunked_prefill_matches_reference(kv_dtype, backend, monkeypatch):
+    """Decodes, a fresh prompt and a later chunk of a chunked prefill, in one flat batch through forward(), over a
+    cache of each type, with the C kernels (cache write, decode) or PyTorch: what is read back from the cache is
+    rounded to its type (a fresh prompt attends to its own float32 K/V)."""
+    monkeypatch.setattr(attention_layer, "attention_backend", lambda device_type, dtype: backend)
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
     attn = Attention(heads, kv_heads, head_dim)
     gen = torch.Generator().manual_seed(1)
@@ -155,7 +223,7 @@ def test_mixed_batch_with_chunked_prefill_matches_reference():
     values = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in full_lens]
     queries = [torch.randn(n - c, heads, head_dim, generator=gen) for n, c in zip(full_lens, cached)]
     num_blocks = sum(-(-n // block_size) for n in full_lens) + 2
-    cache = torch.zeros(2, kv_heads, num_blocks, block_size, head_dim)
+    cache = torch.zeros(2, kv_heads, num_blocks, block_size, head_dim, dtype=kv_dtype)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[order.pop() for _ in range(-(-n // block_size))] for n in full_lens]
 
@@ -182,7 +250,9 @@ def test_mixed_batch_with_chunked_prefill_matches_reference():
     start = 0
     for s in range(4):
         n = full_lens[s] - cached[s]
-        expected = reference_attention(queries[s], keys[s], values[s], attn.scale, causal_offset=cached[s])
+        dtype = torch.float32 if cached[s] == 0 and s >= 2 else kv_dtype  # the fresh prompt reads no cache
+        expected = reference_attention(queries[s], rounded(keys[s], dtype), rounded(values[s], dtype), attn.scale,
+                                       causal_offset=cached[s])
         torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-5)
         start += n
 

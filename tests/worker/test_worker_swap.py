@@ -20,12 +20,12 @@ from pagellm.worker.worker import Worker
 GiB = 1 << 30
 
 
-def make_worker(swap_space_bytes: int = 0, dtype: torch.dtype = torch.bfloat16) -> Worker:
+def make_worker(swap_space_bytes: int = 0, dtype: torch.dtype = torch.bfloat16, cache_dtype: str = "auto") -> Worker:
     """A worker over a model config alone (no weights): enough for sizing and for the cache."""
     hf_config = SimpleNamespace(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, hidden_size=256)
     model_config = ModelConfig(model="none", tokenizer="none", hf_config=hf_config, architecture="LlamaForCausalLM",
                                dtype=dtype, max_model_len=64, max_logprobs=0)
-    cache_config = CacheConfig(block_size=16, swap_space_bytes=swap_space_bytes)
+    cache_config = CacheConfig(block_size=16, swap_space_bytes=swap_space_bytes, cache_dtype=cache_dtype)
     config = SimpleNamespace(model_config=model_config, cache_config=cache_config,
                              scheduler_config=SchedulerConfig(max_model_len=64),
                              device_config=SimpleNamespace(device=torch.device("cpu")),
@@ -39,12 +39,15 @@ def bytes_per_block(worker: Worker) -> int:
     return sum(kv.numel() * kv.element_size() for kv in cache.kv_caches)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_host_blocks_are_swap_space_over_block_bytes(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,cache_dtype,element_size", [
+    (torch.bfloat16, "auto", 2), (torch.float32, "auto", 4), (torch.float32, "float16", 2),
+    (torch.float32, "bfloat16", 2), (torch.bfloat16, "float32", 4)])
+def test_host_blocks_are_swap_space_over_block_bytes(monkeypatch, dtype, cache_dtype, element_size):
     monkeypatch.setattr(worker_module, "available_host_memory", lambda: 64 * GiB)
-    worker = make_worker(swap_space_bytes=GiB + 12345, dtype=dtype)
+    worker = make_worker(swap_space_bytes=GiB + 12345, dtype=dtype, cache_dtype=cache_dtype)
     # 2 (K and V) * 3 layers * 16 tokens * 2 kv heads * 32 head dim (256 / 8) * element size.
-    assert bytes_per_block(worker) == 2 * 3 * 16 * 2 * 32 * dtype.itemsize
+    assert bytes_per_block(worker) == 2 * 3 * 16 * 2 * 32 * element_size
+    assert worker._kv_bytes_per_block() == bytes_per_block(worker)
     assert worker.determine_num_host_blocks() == (GiB + 12345) // bytes_per_block(worker)
 
 
@@ -61,8 +64,9 @@ def test_swap_space_beyond_half_the_free_host_memory_is_capped_with_a_warning(mo
     assert len(warnings) == 1 and "--swap-space" in warnings[0][0]
 
 
-def test_execute_model_swaps_out_then_in_then_copies_before_the_forward(monkeypatch):
-    worker = make_worker(dtype=torch.float32)
+@pytest.mark.parametrize("cache_dtype", ["auto", "float16"])
+def test_execute_model_swaps_out_then_in_then_copies_before_the_forward(monkeypatch, cache_dtype):
+    worker = make_worker(dtype=torch.float32, cache_dtype=cache_dtype)
     worker.initialize_cache(num_blocks=4, num_host_blocks=3)
     cache = worker.cache_engine
     generator = torch.Generator().manual_seed(0)

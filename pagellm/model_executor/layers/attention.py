@@ -5,7 +5,8 @@ attention that reads each sequence's blocks through its block table: the C kerne
 CUDA (`attention_backend`), or, where neither runs, PyTorch over gathered blocks masked to each length. Each prefill
 chunk attends causally to its own tokens and to the earlier chunks already in the cache: on CUDA all chunks in one
 Triton launch reading the cache through the block tables (`PrefillBatch`), elsewhere one SDPA call per chunk. No
-padding of the token dimension anywhere.
+padding of the token dimension anywhere. The cache may hold a narrower type than the model computes in
+(`--kv-cache-dtype`): K and V are rounded to it when written and widened back when read.
 """
 from __future__ import annotations
 
@@ -105,10 +106,11 @@ class Attention(nn.Module):
         backend = attention_backend(q.device.type, q.dtype)
         if backend == "c" and k.stride(-1) == 1 and v.stride(-1) == 1:
             cpu_kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        else:
-            key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, meta.slot_mapping,
-                                                                               v.transpose(0, 1))
+        else:  # the cache may hold a narrower type than the model's (--kv-cache-dtype): round on the way in
+            key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+                1, meta.slot_mapping, k.transpose(0, 1).to(key_cache.dtype))
+            value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+                1, meta.slot_mapping, v.transpose(0, 1).to(value_cache.dtype))
         if not meta.prefills:  # all decodes: the batched call's output is the whole output
             return self._decode(q, key_cache, value_cache, meta, backend).view(q.shape[0], -1)
         out = torch.empty_like(q)
@@ -142,8 +144,8 @@ class Attention(nn.Module):
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         # Heads outermost: the gather lands as [Hkv, B, L, D], contiguous, so the matmuls need no transposing copy.
-        keys = _gather_blocks(key_cache, meta.decode_block_tables)
-        values = _gather_blocks(value_cache, meta.decode_block_tables)
+        keys = _gather_blocks(key_cache, meta.decode_block_tables).to(q.dtype)
+        values = _gather_blocks(value_cache, meta.decode_block_tables).to(q.dtype)
         q = q.view(batch, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [Hkv, B, G, D]
         scores = torch.matmul(q, keys.transpose(2, 3)).float() * self.scale  # [Hkv, B, G, L]
         padding = torch.arange(keys.shape[2], device=q.device) >= meta.decode_seq_lens[:, None]  # [B, L]
@@ -158,8 +160,8 @@ class Attention(nn.Module):
             # The whole sequence is in this chunk: attend to the fresh K/V, no cache read needed.
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
-            keys = _gather_blocks(key_cache, chunk.block_ids)[:, :chunk.seq_len]
-            values = _gather_blocks(value_cache, chunk.block_ids)[:, :chunk.seq_len]
+            keys = _gather_blocks(key_cache, chunk.block_ids)[:, :chunk.seq_len].to(q.dtype)
+            values = _gather_blocks(value_cache, chunk.block_ids)[:, :chunk.seq_len].to(q.dtype)
             key_pos = torch.arange(chunk.seq_len, device=q.device)
             query_pos = torch.arange(chunk.context_len, chunk.seq_len, device=q.device)
             mask, causal = key_pos[None, :] <= query_pos[:, None], False
