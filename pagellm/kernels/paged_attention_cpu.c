@@ -126,39 +126,68 @@ ALWAYS_INLINE void prefetch_row(const char *next, int64_t i, size_t row_bytes) {
     for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(next + i * row_bytes + offset, 0, 3);
 }
 
-/* o[0..head_dim) = sum_t p[t - begin] * v_t over tokens [begin, end) (begin a multiple of block_size). */
-ALWAYS_INLINE void weighted_values(const float *p, const void *values, const int64_t *table, int64_t begin,
-                                   int64_t end, float *o, int64_t head_dim, int64_t block_size, int kind) {
-    const size_t row_bytes = (size_t)head_dim * kv_size(kind);
+/* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for `heads` heads of a group (their p rows `len` apart, their o
+ * rows head_dim apart) over tokens [begin, end), begin a multiple of block_size. 32 columns at a time: each value
+ * row's slice is loaded (and widened) once for every head, and the 4 x `heads` sums stay in registers. */
+ALWAYS_INLINE void value_tile(const float *p, int64_t len, const void *values, const int64_t *table, int64_t begin,
+                              int64_t end, float *o, int64_t head_dim, int64_t block_size, int kind, const int heads) {
 #if VECTOR_KV
-    if (head_dim % 64 == 0) { /* 64 columns at a time in 8 registers: no load and store of o per token */
-        for (int64_t c = 0; c < head_dim; c += 64) {
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
-                const char *v = block_rows(values, table, blk, block_size, head_dim, kind);
-                const char *next = c == 0 ? next_block(values, table, blk, end, block_size, head_dim, kind) : NULL;
-                const int64_t n = end - t0 < block_size ? end - t0 : block_size;
-                for (int64_t i = 0; i < n; i++, v += row_bytes) {
-                    prefetch_row(next, i, row_bytes);
-                    const __m256 w = _mm256_set1_ps(p[t0 - begin + i]);
-                    for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(w, load8(v, c + 8 * j, kind), acc[j]);
+    const size_t row_bytes = (size_t)head_dim * kv_size(kind);
+    for (int64_t c = 0; c < head_dim; c += 32) {
+        __m256 acc[3][4];
+        for (int g = 0; g < heads; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
+            const char *v = block_rows(values, table, blk, block_size, head_dim, kind);
+            const char *next = c == 0 ? next_block(values, table, blk, end, block_size, head_dim, kind) : NULL;
+            const int64_t n = end - t0 < block_size ? end - t0 : block_size;
+            for (int64_t i = 0; i < n; i++, v += row_bytes) {
+                prefetch_row(next, i, row_bytes);
+                __m256 x[4];
+                for (int j = 0; j < 4; j++) x[j] = load8(v, c + 8 * j, kind);
+                for (int g = 0; g < heads; g++) {
+                    const __m256 w = _mm256_set1_ps(p[g * len + t0 - begin + i]);
+                    for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(w, x[j], acc[g][j]);
                 }
             }
-            for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + c + 8 * j, acc[j]);
+        }
+        for (int g = 0; g < heads; g++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + g * head_dim + c + 8 * j, acc[g][j]);
+    }
+#else
+    (void)p, (void)len, (void)values, (void)table, (void)begin, (void)end, (void)o, (void)head_dim, (void)block_size;
+    (void)kind, (void)heads;
+#endif
+}
+
+/* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for every head g of the group, over tokens [begin, end). */
+ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *values, const int64_t *table,
+                                   int64_t begin, int64_t end, float *o, int64_t group, int64_t head_dim,
+                                   int64_t block_size, int kind) {
+#if VECTOR_KV
+    if (head_dim % 32 == 0) { /* heads in tiles of three: 12 sums and 4 value vectors fill the 16 registers */
+        for (int64_t g0 = 0; g0 < group; g0 += 3) {
+            const float *pg = p + g0 * len;
+            float *og = o + g0 * head_dim;
+            if (group - g0 >= 3) value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 3);
+            else if (group - g0 == 2) value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 2);
+            else value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 1);
         }
         return;
     }
 #endif
-    memset(o, 0, sizeof(float) * (size_t)head_dim);
+    const size_t row_bytes = (size_t)head_dim * kv_size(kind);
+    memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
         const char *v = block_rows(values, table, blk, block_size, head_dim, kind);
         const int64_t n = end - t0 < block_size ? end - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, v += row_bytes) {
-            const float w = p[t0 - begin + i];
+        for (int64_t i = 0; i < n; i++, v += row_bytes)
+            for (int64_t g = 0; g < group; g++) {
+                const float w = p[g * len + t0 - begin + i];
+                float *og = o + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) o[d] += w * load1(v, d, kind);
-        }
+                for (int64_t d = 0; d < head_dim; d++) og[d] += w * load1(v, d, kind);
+            }
     }
 }
 
@@ -181,10 +210,8 @@ ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, 
                 scores[g * len + t0 - begin + i] = dot(q + g * head_dim, k, head_dim, kind) * scale;
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        exponentials(scores + g * len, len, stats + 2 * g, stats + 2 * g + 1);
-        weighted_values(scores + g * len, values, table, begin, end, o + g * head_dim, head_dim, block_size, kind);
-    }
+    for (int64_t g = 0; g < group; g++) exponentials(scores + g * len, len, stats + 2 * g, stats + 2 * g + 1);
+    weighted_values(scores, len, values, table, begin, end, o, group, head_dim, block_size, kind);
 }
 
 typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, float *,

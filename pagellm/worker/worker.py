@@ -144,8 +144,9 @@ class Worker:
                 f"(kv_cache_memory_bytes / --kv-cache-memory, or gpu_memory_utilization on CUDA) or lower "
                 f"max_model_len (--max-model-len).")
         block_size = cache_config.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), %d tokens in all; maximum concurrency for "
-                    "%d-token requests: %.2fx", num_blocks, block_size, num_blocks * per_block / GiB,
+        kv_dtype = str(cache_config.kv_dtype(self.config.model_config.dtype)).removeprefix("torch.")
+        logger.info("KV cache (%s): %d blocks of %d tokens (%.2f GiB), %d tokens in all; maximum concurrency for "
+                    "%d-token requests: %.2fx", kv_dtype, num_blocks, block_size, num_blocks * per_block / GiB,
                     num_blocks * block_size, max_len, num_blocks * block_size / max_len)
         return int(num_blocks)
 

@@ -157,6 +157,7 @@ def test_triton_decode_half_precision(dtype):
     (4, 2, 32, 4, [1500, 5, 300], 256),  # a short sequence's later partitions are empty; scalar value sums
     (2, 2, 16, 1, [1, 17, 600], 7),  # scalar dot products too; partitions of 7 tokens of 1-token blocks
     (4, 2, 64, 16, [40, 3], 0),  # no split
+    (8, 2, 32, 8, [300, 40], 64),  # groups of 4: value sums in a tile of three heads and a tile of one
 ])
 def test_c_decode_over_narrow_caches_and_partitions(kv_dtype, heads, kv_heads, head_dim, block_size, seq_lens,
                                                     partition_tokens):
