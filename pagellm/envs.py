@@ -30,5 +30,6 @@ def api_key() -> str | None:
 
 
 def cpu_isa() -> str | None:
-    """PAGELLM_CPU_ISA=scalar makes the packed-weight kernels skip AVX2 (tests run both paths)."""
+    """PAGELLM_CPU_ISA=scalar makes the packed-weight kernels skip AVX2 and builds the attention kernel without
+    AVX2, FMA and F16C: the portable paths a CPU without them runs (tests run both)."""
     return os.environ.get("PAGELLM_CPU_ISA") or None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pagellm import envs
 from pagellm.kernels.build import load_library
 
 _SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
@@ -22,7 +23,9 @@ KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C side
 
 @cache
 def load() -> ctypes.CDLL | None:
-    library = load_library(_SOURCE, _FLAGS, "CPU decode attention")
+    # PAGELLM_CPU_ISA=scalar: the portable loops and conversions, as on a CPU without AVX2 or F16C.
+    portable = ["-mno-avx2", "-mno-fma", "-mno-f16c"] if envs.cpu_isa() == "scalar" else []
+    library = load_library(_SOURCE, _FLAGS + portable, "CPU decode attention")
     if library is not None:
         library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [_F32, _INT, _I64, _INT]
         library.paged_decode_attention.restype = _INT

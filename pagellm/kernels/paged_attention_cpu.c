@@ -28,9 +28,29 @@ enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 static inline size_t kv_size(int kind) { return kind == KV_F32 ? 4 : 2; }
 
+/* IEEE half <-> float, rounding to nearest even: F16C's instructions where the CPU has them, else the compiler's
+ * _Float16 (GCC 12+, Clang). With neither the build fails and the attention layer uses its PyTorch path. */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t float_to_half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+#else
+static inline float half_to_float(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+static inline uint16_t float_to_half(float x) {
+    const _Float16 h = (_Float16)x;
+    uint16_t bits;
+    memcpy(&bits, &h, sizeof bits);
+    return bits;
+}
+#endif
+
 /* Element i of a row of the cache, as a float. */
 ALWAYS_INLINE float load1(const void *row, int64_t i, int kind) {
-    if (kind == KV_F16) return (float)((const _Float16 *)row)[i];
+    if (kind == KV_F16) return half_to_float(((const uint16_t *)row)[i]);
     if (kind == KV_BF16) {
         const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
         float x;
@@ -321,8 +341,8 @@ static void store_row(void *dst, const float *src, int64_t n, int kind) {
     if (kind == KV_F32) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
     } else if (kind == KV_F16) {
-        _Float16 *h = dst;
-        for (int64_t i = 0; i < n; i++) h[i] = (_Float16)src[i];
+        uint16_t *h = dst;
+        for (int64_t i = 0; i < n; i++) h[i] = float_to_half(src[i]);
     } else {
         uint16_t *h = dst;
         for (int64_t i = 0; i < n; i++) h[i] = float_to_bf16(src[i]);

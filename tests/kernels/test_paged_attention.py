@@ -151,6 +151,18 @@ def test_triton_decode_half_precision(dtype):
                                        atol=2e-3 if dtype == torch.float16 else 1e-2)
 
 
+@pytest.fixture(params=["native", "scalar"])
+def attention_isa(request, monkeypatch):
+    """The C attention kernel built for this CPU (AVX2, F16C), or its portable loops (PAGELLM_CPU_ISA=scalar: what a
+    CPU without them runs)."""
+    if request.param == "scalar":
+        monkeypatch.setenv("PAGELLM_CPU_ISA", "scalar")
+    cpu_kernels.load.cache_clear()
+    assert cpu_kernels.load() is not None
+    yield request.param
+    cpu_kernels.load.cache_clear()  # the next caller builds (or finds) the native one again
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,seq_lens,partition_tokens", [
     (9, 3, 64, 16, [2000], 0),  # one conversation, 3 kv heads: split so that every thread gets work
@@ -160,7 +172,7 @@ def test_triton_decode_half_precision(dtype):
     (8, 2, 32, 8, [300, 40], 64),  # groups of 4: value sums in a tile of three heads and a tile of one
 ])
 def test_c_decode_over_narrow_caches_and_partitions(kv_dtype, heads, kv_heads, head_dim, block_size, seq_lens,
-                                                    partition_tokens):
+                                                    partition_tokens, attention_isa):
     """The C kernel reads float32, float16 and bfloat16 caches (float32 arithmetic on the stored values) and splits
     long sequences into partitions whose partial softmaxes it merges (flash-decoding)."""
     cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=head_dim)
@@ -187,7 +199,7 @@ def test_torch_decode_over_narrow_caches(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_c_cache_write_rounds_as_torch_does(kv_dtype):
+def test_c_cache_write_rounds_as_torch_does(kv_dtype, attention_isa):
     """New keys and values land in their slots rounded to nearest even, bit for bit as torch's .to() rounds them,
     from 1e-9 (float16 subnormals, and below) to 1e6 (past float16's range: infinity), read through views of a
     fused QKV row as the model passes them."""
