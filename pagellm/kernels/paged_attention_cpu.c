@@ -149,9 +149,9 @@ ALWAYS_INLINE void prefetch_row(const char *next, int64_t i, size_t row_bytes) {
 /* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for `heads` heads of a group (their p rows `len` apart, their o
  * rows head_dim apart) over tokens [begin, end), begin a multiple of block_size. 32 columns at a time: each value
  * row's slice is loaded (and widened) once for every head, and the 4 x `heads` sums stay in registers. */
+#if VECTOR_KV
 ALWAYS_INLINE void value_tile(const float *p, int64_t len, const void *values, const int64_t *table, int64_t begin,
                               int64_t end, float *o, int64_t head_dim, int64_t block_size, int kind, const int heads) {
-#if VECTOR_KV
     const size_t row_bytes = (size_t)head_dim * kv_size(kind);
     for (int64_t c = 0; c < head_dim; c += 32) {
         __m256 acc[3][4];
@@ -174,11 +174,8 @@ ALWAYS_INLINE void value_tile(const float *p, int64_t len, const void *values, c
         for (int g = 0; g < heads; g++)
             for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + g * head_dim + c + 8 * j, acc[g][j]);
     }
-#else
-    (void)p, (void)len, (void)values, (void)table, (void)begin, (void)end, (void)o, (void)head_dim, (void)block_size;
-    (void)kind, (void)heads;
-#endif
 }
+#endif
 
 /* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for every head g of the group, over tokens [begin, end). */
 ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *values, const int64_t *table,
@@ -189,8 +186,9 @@ ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *valu
         for (int64_t g0 = 0; g0 < group; g0 += 3) {
             const float *pg = p + g0 * len;
             float *og = o + g0 * head_dim;
-            if (group - g0 >= 3) value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 3);
-            else if (group - g0 == 2) value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 2);
+            const int64_t heads = group - g0; /* a constant in each call, so each tile size gets its own loops */
+            if (heads >= 3) value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 3);
+            else if (heads == 2) value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 2);
             else value_tile(pg, len, values, table, begin, end, og, head_dim, block_size, kind, 1);
         }
         return;
