@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pagellm.config import CacheConfig
 from pagellm.worker.cache_engine import CacheEngine
 
 
 def make_cache(num_blocks: int = 5, layers: int = 3, num_host_blocks: int = 0, dtype: torch.dtype = torch.float32,
                device: str = "cpu") -> CacheEngine:
     model_config = SimpleNamespace(get_num_kv_heads=lambda tp=1: 2, head_dim=4, num_layers=layers, dtype=dtype)
-    cache_config = SimpleNamespace(block_size=2)
+    cache_config = CacheConfig(block_size=2)
     return CacheEngine(model_config, cache_config, num_blocks, torch.device(device), num_host_blocks)
 
 

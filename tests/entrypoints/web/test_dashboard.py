@@ -57,8 +57,10 @@ def test_dashboard_follows_a_load(keyed_context, web_server, run_load, docs_dir)
     for shown_at, value in updates:
         # /metrics between one update before the page showed the value and just after: the value shown must be one
         # of those readings, or lie between two of them (the poller may miss a value that lasted one short step).
+        # The second of slack covers the page's own fetch on a loaded 2-core host (0.25 s once failed there, the
+        # engine, server, browser and load generator sharing the cores).
         readings = [v for sent, answered, v in samples
-                    if answered >= shown_at - UPDATE_S - 0.25 and sent <= shown_at + 0.1]
+                    if answered >= shown_at - UPDATE_S - 1.0 and sent <= shown_at + 0.1]
         assert readings and min(readings) <= value <= max(readings), (shown_at, value, readings)
 
     assert page.locator("#device-grid .cell.used, #device-grid .cell.shared").count() == 0
