@@ -7,8 +7,8 @@
  * Sequences are split into partitions only when there are too few (sequence, kv head) pairs to keep every thread
  * busy (one conversation, few kv heads); a second pass then merges each head's partitions (flash-decoding).
  * Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over OpenMP threads (the process's libgomp,
- * shared with PyTorch). With AVX2 the dot products keep four independent accumulator chains and the value sum keeps
- * its output row in registers; otherwise the loops are left to the compiler's vectoriser. Each cache type gets its
+ * shared with PyTorch). With AVX2 the dot products keep four independent accumulator chains and the value sums of up
+ * to three heads stay in registers; otherwise the loops are left to the compiler's vectoriser. Each cache type gets its
  * own copy of the inner loops: `attend_f32` and friends call one always-inlined body with a constant type.
  */
 #include <math.h>
@@ -48,16 +48,12 @@ static inline uint16_t float_to_half(float x) {
 }
 #endif
 
-/* Element i of a row of the cache, as a float. */
-ALWAYS_INLINE float load1(const void *row, int64_t i, int kind) {
-    if (kind == KV_F16) return half_to_float(((const uint16_t *)row)[i]);
-    if (kind == KV_BF16) {
-        const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
-        float x;
-        memcpy(&x, &bits, sizeof x);
-        return x;
-    }
-    return ((const float *)row)[i];
+/* bfloat16 is float32's upper half. */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
 }
 
 /* Round to nearest even, as torch's .to(torch.bfloat16) does; NaN stays NaN. */
@@ -66,6 +62,13 @@ static inline uint16_t float_to_bf16(float x) {
     memcpy(&bits, &x, sizeof bits);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a row of the cache, as a float. */
+ALWAYS_INLINE float load1(const void *row, int64_t i, int kind) {
+    if (kind == KV_F16) return half_to_float(((const uint16_t *)row)[i]);
+    if (kind == KV_BF16) return bf16_to_float(((const uint16_t *)row)[i]);
+    return ((const float *)row)[i];
 }
 
 #if VECTOR_KV
