@@ -14,8 +14,10 @@ _DTYPES = {
 
 
 # Halving the cache's bytes (float16, bfloat16) doubles the tokens it holds and halves what decode attention reads;
-# K and V are then rounded, so outputs are no longer exactly those of the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# K and V are then rounded, so outputs are no longer exactly those of the model's dtype. The 8-bit floats (vLLM's
+# names; "fp8" is e4m3) quarter a float32 cache, unscaled and saturating at the type's largest finite value.
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                   "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -50,7 +50,7 @@ class EngineArgs:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured graphs
     enable_prefix_caching: bool = True
     swap_space: float = 4.0  # GiB of host memory for the host block tier
-    kv_cache_dtype: str = "auto"  # the model's dtype; float16 or bfloat16 halve a float32 model's cache
+    kv_cache_dtype: str = "auto"  # the model's dtype; float16/bfloat16 halve a float32 model's cache, fp8 quarters it
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     short_first_max_wait: float = 10.0  # seconds
@@ -194,7 +194,8 @@ class EngineArgs:
         parser.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                             help="element type of the KV cache (auto: the model's dtype); float16 or bfloat16 "
                                  "halve a float32 model's cache, so it holds twice the tokens and decode attention "
-                                 "reads half the bytes, at the cost of rounding K and V")
+                                 "reads half the bytes, at the cost of rounding K and V; fp8 (e4m3) and fp8_e5m2 "
+                                 "quarter it, unscaled, at a larger cost")
         parser.add_argument("--preemption-mode", default=EngineArgs.preemption_mode, choices=PREEMPTION_MODES,
                             help="what a preempted request's K/V becomes: recomputed later, or swapped to the host "
                                  "tier and back (recompute when the host tier is full)")

@@ -41,7 +41,7 @@ typedef struct {
     cache_fn write_cache;
     attention_fn attention;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size, num_layers;
-    int64_t kv_type; /* the cache's element type, as paged_attention_cpu.c numbers them */
+    int64_t kv_type; /* the cache's element type, as kv_types.h numbers them */
     float eps, scale;
     const float *cos_table, *sin_table;
     const pagellm_decoder_layer *layers;

@@ -1,8 +1,8 @@
 """Paged decode attention on the CPU: the C kernel (built on first use by `kernels.build`) and its callers.
 
 The kernel spreads (sequence, kv head, partition) units over OpenMP threads itself. Queries and outputs are
-float32; the cache may be float32, float16 or bfloat16 (`KV_TYPES`). When the kernel cannot be built, `load()`
-returns None and the attention layer uses its PyTorch path.
+float32; the cache may be float32, float16, bfloat16 or an 8-bit float (`KV_TYPES`). When the kernel cannot be
+built, `load()` returns None and the attention layer uses its PyTorch path.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pagellm.kernels.build import load_library
 _SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the C side's KV_F32, KV_F16, KV_BF16
+# The C side's KV_F32, KV_F16, KV_BF16, KV_E4M3, KV_E5M2.
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 @cache
@@ -37,7 +38,8 @@ def load() -> ctypes.CDLL | None:
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """key, value [T, Hkv, D] float32 with contiguous head rows (any token stride); caches [Hkv, num_blocks,
-    block_size, D] of a `KV_TYPES` dtype (values rounded to it, to nearest even); slot_mapping [T] int64."""
+    block_size, D] of a `KV_TYPES` dtype (values rounded to it, to nearest even, 8-bit floats saturating at their
+    largest finite value); slot_mapping [T] int64."""
     num_tokens, num_kv_heads, head_dim = key.shape
     assert key.dtype == value.dtype == torch.float32
     assert key.stride()[1:] == (head_dim, 1) and value.stride()[1:] == (head_dim, 1)

@@ -1,5 +1,6 @@
-/* Decode attention straight from the paged KV cache, CPU; float32 arithmetic over a float32, float16 or bfloat16
- * cache (`--kv-cache-dtype`), and the cache write that rounds new keys and values to the cache's type.
+/* Decode attention straight from the paged KV cache, CPU; float32 arithmetic over a float32, float16, bfloat16 or
+ * 8-bit float (e4m3, e5m2) cache (`--kv-cache-dtype`), and the cache write that rounds new keys and values to the
+ * cache's type.
  *
  * One query token per sequence. A unit of work is (sequence, kv head, partition of the sequence's tokens): it reads
  * each cached key of its partition once, in place, through the block table (no gathered copy), scores the query
@@ -7,81 +8,20 @@
  * Sequences are split into partitions only when there are too few (sequence, kv head) pairs to keep every thread
  * busy (one conversation, few kv heads); a second pass then merges each head's partitions (flash-decoding).
  * Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over OpenMP threads (the process's libgomp,
- * shared with PyTorch). With AVX2 the dot products keep four independent accumulator chains and the value sums of up
- * to three heads stay in registers; otherwise the loops are left to the compiler's vectoriser. Each cache type gets its
- * own copy of the inner loops: `attend_f32` and friends call one always-inlined body with a constant type.
+ * shared with PyTorch). With AVX2 the heads of a group go in tiles of up to three: each key row and each value row
+ * is loaded (and widened) once per tile, and the tile's dot products and value sums stay in registers; otherwise the
+ * loops are left to the compiler's vectoriser. Each cache type gets its own copy of the inner loops: `attend_f32` and
+ * friends call one always-inlined body with a constant type.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_types.h"
 #include "simd_exp.h"
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define VECTOR_KV 1
-#else
-#define VECTOR_KV 0
-#endif
-
-static inline size_t kv_size(int kind) { return kind == KV_F32 ? 4 : 2; }
-
-/* IEEE half <-> float, rounding to nearest even: F16C's instructions where the CPU has them, else the compiler's
- * _Float16 (GCC 12+, Clang). With neither the build fails and the attention layer uses its PyTorch path. */
-#if defined(__F16C__)
-#include <immintrin.h>
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-static inline uint16_t float_to_half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
-#else
-static inline float half_to_float(uint16_t h) {
-    _Float16 x;
-    memcpy(&x, &h, sizeof x);
-    return (float)x;
-}
-static inline uint16_t float_to_half(float x) {
-    const _Float16 h = (_Float16)x;
-    uint16_t bits;
-    memcpy(&bits, &h, sizeof bits);
-    return bits;
-}
-#endif
-
-/* bfloat16 is float32's upper half. */
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-/* Round to nearest even, as torch's .to(torch.bfloat16) does; NaN stays NaN. */
-static inline uint16_t float_to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* Element i of a row of the cache, as a float. */
-ALWAYS_INLINE float load1(const void *row, int64_t i, int kind) {
-    if (kind == KV_F16) return half_to_float(((const uint16_t *)row)[i]);
-    if (kind == KV_BF16) return bf16_to_float(((const uint16_t *)row)[i]);
-    return ((const float *)row)[i];
-}
-
 #if VECTOR_KV
-/* Elements i..i+7 of a row of the cache, as floats. */
-ALWAYS_INLINE __m256 load8(const void *row, int64_t i, int kind) {
-    if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    if (kind == KV_BF16) {
-        const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-    }
-    return _mm256_loadu_ps((const float *)row + i);
-}
-
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -96,19 +36,8 @@ ALWAYS_INLINE const char *block_rows(const void *base, const int64_t *table, int
     return (const char *)base + (size_t)(table[blk] * block_size * head_dim) * kv_size(kind);
 }
 
+/* The portable loop (key tiles take head sizes that are multiples of 16 where AVX2 is there). */
 ALWAYS_INLINE float dot(const float *q, const void *k, int64_t n, int kind) {
-#if VECTOR_KV
-    if (n % 32 == 0) { /* four chains: one dependent FMA chain would leave the FMA units waiting on latency */
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (int64_t i = 0; i < n; i += 32) {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, i, kind), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k, i + 8, kind), s1);
-            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 16), load8(k, i + 16, kind), s2);
-            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 24), load8(k, i + 24, kind), s3);
-        }
-        return hsum256(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-    }
-#endif
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < n; i++) acc += q[i] * load1(k, i, kind);
@@ -148,6 +77,36 @@ ALWAYS_INLINE void prefetch_row(const char *next, int64_t i, size_t row_bytes) {
     if (next == NULL) return;
     for (size_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(next + i * row_bytes + offset, 0, 3);
 }
+
+/* s[g][t - begin] = q_g . k_t * scale for `heads` heads of a group (their q rows head_dim apart, their s rows `len`
+ * apart) over tokens [begin, end), head_dim a multiple of 16: each key row is loaded (and widened) once for every
+ * head. */
+#if VECTOR_KV
+ALWAYS_INLINE void key_tile(const float *q, const void *keys, const int64_t *table, int64_t begin, int64_t end,
+                            float *s, int64_t len, int64_t head_dim, int64_t block_size, float scale, int kind,
+                            const int heads) {
+    const size_t row_bytes = (size_t)head_dim * kv_size(kind);
+    for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
+        const char *k = block_rows(keys, table, blk, block_size, head_dim, kind);
+        const char *next = next_block(keys, table, blk, end, block_size, head_dim, kind);
+        const int64_t n = end - t0 < block_size ? end - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, k += row_bytes) {
+            prefetch_row(next, i, row_bytes);
+            __m256 acc[3][2];
+            for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < head_dim; c += 16) {
+                const __m256 x0 = load8(k, c, kind), x1 = load8(k, c + 8, kind);
+                for (int g = 0; g < heads; g++) {
+                    acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c), x0, acc[g][0]);
+                    acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c + 8), x1, acc[g][1]);
+                }
+            }
+            for (int g = 0; g < heads; g++)
+                s[g * len + t0 - begin + i] = hsum256(_mm256_add_ps(acc[g][0], acc[g][1])) * scale;
+        }
+    }
+}
+#endif
 
 /* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for `heads` heads of a group (their p rows `len` apart, their o
  * rows head_dim apart) over tokens [begin, end), begin a multiple of block_size. 32 columns at a time: each value
@@ -212,14 +171,23 @@ ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *valu
     }
 }
 
-/* One unit: the query heads of a group against tokens [begin, end) of one sequence. Per head g, o[g] gets the
- * unnormalised sum of exp(score - max) * value and stats[2g], stats[2g + 1] the max and the sum of exponentials.
- * Loads widen a narrow cache's values as they go (converting a block into a float32 scratch first, once for the
- * whole group, measured slower: the conversion then waits on memory with nothing to overlap). */
-ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, const int64_t *table,
-                          int64_t begin, int64_t end, float *o, float *stats, float *scores, int64_t group,
-                          int64_t head_dim, int64_t block_size, float scale, int kind) {
-    const int64_t len = end - begin;
+/* s[g][t - begin] = q_g . k_t * scale for every head g of the group (s rows `len` apart), over tokens [begin, end). */
+ALWAYS_INLINE void key_scores(const float *q, const void *keys, const int64_t *table, int64_t begin, int64_t end,
+                              float *s, int64_t len, int64_t group, int64_t head_dim, int64_t block_size, float scale,
+                              int kind) {
+#if VECTOR_KV
+    if (head_dim % 16 == 0) { /* heads in tiles of three, as for the values */
+        for (int64_t g0 = 0; g0 < group; g0 += 3) {
+            const float *qg = q + g0 * head_dim;
+            float *sg = s + g0 * len;
+            const int64_t heads = group - g0; /* a constant in each call, so each tile size gets its own loops */
+            if (heads >= 3) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 3);
+            else if (heads == 2) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 2);
+            else key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 1);
+        }
+        return;
+    }
+#endif
     const size_t row_bytes = (size_t)head_dim * kv_size(kind);
     for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
         const char *k = block_rows(keys, table, blk, block_size, head_dim, kind);
@@ -228,9 +196,20 @@ ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, 
         for (int64_t i = 0; i < n; i++, k += row_bytes) {
             prefetch_row(next, i, row_bytes);
             for (int64_t g = 0; g < group; g++)
-                scores[g * len + t0 - begin + i] = dot(q + g * head_dim, k, head_dim, kind) * scale;
+                s[g * len + t0 - begin + i] = dot(q + g * head_dim, k, head_dim, kind) * scale;
         }
     }
+}
+
+/* One unit: the query heads of a group against tokens [begin, end) of one sequence. Per head g, o[g] gets the
+ * unnormalised sum of exp(score - max) * value and stats[2g], stats[2g + 1] the max and the sum of exponentials.
+ * Loads widen a narrow cache's values as they go (converting a block into a float32 scratch first, once for the
+ * whole group, measured slower: the conversion then waits on memory with nothing to overlap). */
+ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, const int64_t *table,
+                          int64_t begin, int64_t end, float *o, float *stats, float *scores, int64_t group,
+                          int64_t head_dim, int64_t block_size, float scale, int kind) {
+    const int64_t len = end - begin;
+    key_scores(q, keys, table, begin, end, scores, len, group, head_dim, block_size, scale, kind);
     for (int64_t g = 0; g < group; g++) exponentials(scores + g * len, len, stats + 2 * g, stats + 2 * g + 1);
     weighted_values(scores, len, values, table, begin, end, o, group, head_dim, block_size, kind);
 }
@@ -246,6 +225,8 @@ typedef void (*attend_fn)(const float *, const void *, const void *, const int64
 ATTEND_FOR(attend_f32, KV_F32)
 ATTEND_FOR(attend_f16, KV_F16)
 ATTEND_FOR(attend_bf16, KV_BF16)
+ATTEND_FOR(attend_e4m3, KV_E4M3)
+ATTEND_FOR(attend_e5m2, KV_E5M2)
 
 /* Tokens per partition, in whole blocks: `requested` if positive, else at least 256 tokens (so a unit's fixed costs
  * stay small), splitting sequences only until there are about four units per thread. */
@@ -270,7 +251,8 @@ int paged_decode_attention(const float *query,      /* [B, H, D] */
                            int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale, int kv_type,
                            int64_t requested_partition_tokens, /* 0: chosen from the batch and the threads */
                            int nthreads) {
-    const attend_fn attend_unit = kv_type == KV_F16 ? attend_f16 : kv_type == KV_BF16 ? attend_bf16 : attend_f32;
+    static const attend_fn by_type[] = {attend_f32, attend_f16, attend_bf16, attend_e4m3, attend_e5m2};
+    const attend_fn attend_unit = by_type[kv_type];
     const int64_t group = num_heads / num_kv_heads, pairs = batch * num_kv_heads;
     const size_t head_bytes = (size_t)(num_blocks * block_size * head_dim) * kv_size(kv_type);
     int64_t longest = 1;
@@ -335,19 +317,6 @@ int paged_decode_attention(const float *query,      /* [B, H, D] */
     free(partial);
     free(stats);
     return failed ? -1 : 0;
-}
-
-/* One row of head_dim floats into the cache's type (round to nearest even). */
-static void store_row(void *dst, const float *src, int64_t n, int kind) {
-    if (kind == KV_F32) {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
-    } else if (kind == KV_F16) {
-        uint16_t *h = dst;
-        for (int64_t i = 0; i < n; i++) h[i] = float_to_half(src[i]);
-    } else {
-        uint16_t *h = dst;
-        for (int64_t i = 0; i < n; i++) h[i] = float_to_bf16(src[i]);
-    }
 }
 
 /* Write each token's key and value into its cache slot (vLLM's reshape_and_cache), in the cache's type. Token t,

@@ -7,8 +7,9 @@ the layout attention's matmuls want. The host tier is `num_host_blocks` blocks p
 
 `swap_out` copies (device block, host block) pairs to the host, `swap_in` copies (host block, device block)
 pairs back, and `copy_blocks` copies device blocks (copy-on-write). A swap moves all of its step's blocks with
-one gather and one scatter per layer (index_select / index_copy_ along the block dimension): a copy per block
-would cost a Python call and a kernel launch or a small DMA for each block.
+one gather and one scatter per layer (index_select / index_copy_ along the block dimension, the scatter over the
+cache's bytes so that every cache type takes it): a copy per block would cost a Python call and a kernel launch or
+a small DMA for each block.
 
 On CUDA the swaps run on a dedicated stream. That stream first waits for the compute stream (a swap must not
 read a block before the forward pass that writes it, nor overwrite one a forward pass still reads), and the
@@ -80,7 +81,7 @@ class CacheEngine:
             self._swap_done.synchronize()  # the CPU scatter below reads what the transfers wrote
         host_index = torch.tensor(host_ids)
         for host_kv, blocks in zip(self.host_caches, gathered):
-            host_kv.index_copy_(2, host_index, blocks)
+            as_bytes(host_kv).index_copy_(2, host_index, as_bytes(blocks))
 
     @torch.inference_mode()
     def swap_in(self, blocks_to_swap_in: list[tuple[int, int]]) -> None:
@@ -94,7 +95,7 @@ class CacheEngine:
         with self._on_swap_stream():
             device_index = tensor_on(device_ids, torch.int64, self.device)  # once per swap, for every layer
             for kv, blocks in zip(self.kv_caches, staged):
-                kv.index_copy_(2, device_index, blocks.to(self.device, non_blocking=True))
+                as_bytes(kv).index_copy_(2, device_index, as_bytes(blocks.to(self.device, non_blocking=True)))
 
     @torch.inference_mode()
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
@@ -128,6 +129,11 @@ class CacheEngine:
             yield
         self._swap_done.record(self._swap_stream)
         compute.wait_event(self._swap_done)
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A cache's memory as bytes, for the scatters: index_copy_ has no 8-bit float kernel."""
+    return cache.view(torch.uint8)
 
 
 def gather_blocks(cache: torch.Tensor, index: torch.Tensor, pin: bool) -> torch.Tensor:

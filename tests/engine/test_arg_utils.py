@@ -47,6 +47,10 @@ def test_kv_cache_dtype_resolves_against_the_model_dtype(tiny_model_factory):
     assert half.cache_config.kv_dtype(half.model_config.dtype) == torch.float16
     bf16 = EngineArgs(model=model, dtype="bfloat16").create_engine_config()
     assert bf16.cache_config.kv_dtype(bf16.model_config.dtype) == torch.bfloat16
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, got "
-                                         "'fp8'; fix --kv-cache-dtype"):
-        EngineArgs(model=model, kv_cache_dtype="fp8").create_engine_config()
+    fp8 = EngineArgs(model=model, kv_cache_dtype="fp8").create_engine_config()  # vLLM's name for e4m3
+    assert fp8.cache_config.kv_dtype(fp8.model_config.dtype) == torch.float8_e4m3fn
+    e5m2 = EngineArgs(model=model, kv_cache_dtype="fp8_e5m2").create_engine_config()
+    assert e5m2.cache_config.kv_dtype(e5m2.model_config.dtype) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, fp8, "
+                                         "fp8_e4m3, fp8_e5m2, got 'int4'; fix --kv-cache-dtype"):
+        EngineArgs(model=model, kv_cache_dtype="int4").create_engine_config()

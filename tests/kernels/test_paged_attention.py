@@ -28,7 +28,7 @@ from pagellm.model_executor.layers.attention import (  # noqa: E402
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # --kv-cache-dtype's types
+KV_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]  # --kv-cache-dtype's
 
 
 def reference_attention(q, keys, values, scale, causal_offset=None):
@@ -43,9 +43,17 @@ def reference_attention(q, keys, values, scale, causal_offset=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.double()).float()
 
 
+def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: rounded by torch, 8-bit floats clamped to their largest finite value first
+    (they saturate, as vLLM's cache writes do)."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    return x.to(dtype)
+
+
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of `dtype` stores it, widened back to float32."""
-    return x.to(dtype).float()
+    return stored(x, dtype).float()
 
 
 def random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=0):
@@ -173,7 +181,7 @@ def attention_isa(request, monkeypatch):
 ])
 def test_c_decode_over_narrow_caches_and_partitions(kv_dtype, heads, kv_heads, head_dim, block_size, seq_lens,
                                                     partition_tokens, attention_isa):
-    """The C kernel reads float32, float16 and bfloat16 caches (float32 arithmetic on the stored values) and splits
+    """The C kernel reads caches of every type (float32 arithmetic on the stored values) and splits
     long sequences into partitions whose partial softmaxes it merges (flash-decoding)."""
     cache, tables, contiguous = random_paged_cache(seq_lens, kv_heads, head_dim, block_size, seed=head_dim)
     q = torch.randn(len(seq_lens), heads, head_dim)
@@ -186,7 +194,7 @@ def test_c_decode_over_narrow_caches_and_partitions(kv_dtype, heads, kv_heads, h
         torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES[1:])
 def test_torch_decode_over_narrow_caches(kv_dtype):
     seq_lens = [9, 70, 1]
     cache, tables, contiguous = random_paged_cache(seq_lens, 2, 32, 8)
@@ -198,11 +206,13 @@ def test_torch_decode_over_narrow_caches(kv_dtype):
         torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("writer", ["c", "torch"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_c_cache_write_rounds_as_torch_does(kv_dtype, attention_isa):
-    """New keys and values land in their slots rounded to nearest even, bit for bit as torch's .to() rounds them,
-    from 1e-9 (float16 subnormals, and below) to 1e6 (past float16's range: infinity), read through views of a
-    fused QKV row as the model passes them."""
+def test_cache_write_rounds_as_torch_does(kv_dtype, writer, attention_isa):
+    """New keys and values land in their slots (C kernel or PyTorch path) rounded to nearest even, bit for bit as
+    torch's .to() rounds them, from 1e-9 (float16 subnormals, and below) to 1e6 (past float16's range: infinity;
+    8-bit floats saturate at their largest finite value), read through views of a fused QKV row as the model passes
+    them."""
     tokens, kv_heads, head_dim, num_blocks, block_size = 37, 3, 64, 8, 16
     gen = torch.Generator().manual_seed(3)
     magnitudes = 10.0 ** (torch.rand(tokens, 6 * kv_heads * head_dim, generator=gen) * 15 - 9)
@@ -212,11 +222,36 @@ def test_c_cache_write_rounds_as_torch_does(kv_dtype, attention_isa):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     key_cache = torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=kv_dtype)
     value_cache = torch.zeros_like(key_cache)
-    cpu_kernels.reshape_and_cache(k, v, key_cache, value_cache, slots)
+    write = cpu_kernels.reshape_and_cache if writer == "c" else attention_layer.reshape_and_cache
+    write(k, v, key_cache, value_cache, slots)
     for cache, fresh in ((key_cache, k), (value_cache, v)):
         expected = torch.zeros_like(cache).view(kv_heads, -1, head_dim)
-        expected[:, slots] = fresh.transpose(0, 1).to(kv_dtype)
+        expected.view(torch.uint8)[:, slots] = stored(fresh.transpose(0, 1), kv_dtype).view(torch.uint8)
         assert torch.equal(cache.view(kv_heads, -1, head_dim).view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])  # the vector loads, and the scalar loop (head_dim not a multiple of 32)
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_c_decode_reads_every_8bit_float_as_torch_does(kv_dtype, head_dim, attention_isa):
+    """Each of the 256 codes (sub-normals, zeros, the largest values, e5m2's infinities) widens to torch's float32
+    value: a one-token sequence's output is its value row. e4m3fn's NaN code is left out (the kernel reads it as
+    480: a NaN key or value has no meaning to recover)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    if kv_dtype == torch.float8_e4m3fn:
+        codes = codes[(codes & 0x7f) != 0x7f]
+    else:
+        codes = codes[~torch.isnan(codes.view(kv_dtype).float())]
+    rows = -(-len(codes) // head_dim)
+    values = torch.zeros(rows * head_dim, dtype=torch.uint8)
+    values[:len(codes)] = codes
+    cache = torch.zeros(2, 1, rows, 1, head_dim, dtype=torch.uint8)  # one kv head, blocks of one token
+    cache[1, 0, :, 0] = values.view(rows, head_dim)
+    cache = cache.view(kv_dtype)
+    meta = decode_metadata([[r] for r in range(rows)], [1] * rows)
+    out = cpu_kernels.paged_decode_attention(torch.randn(rows, 1, head_dim), cache[0], cache[1],
+                                             meta.decode_block_tables, meta.decode_seq_lens, 1.0)
+    expected = values.view(kv_dtype).float().view(rows, 1, head_dim)
+    assert torch.equal(out.flatten()[:len(codes)], expected.flatten()[:len(codes)])
 
 
 @pytest.mark.parametrize("backend", ["c", "torch"])
@@ -302,6 +337,28 @@ def test_triton_prefill_matches_reference(heads, kv_heads, head_dim, block_size)
     start = 0
     for q, (k, v), context in zip(q_chunks, contiguous, context_lens):
         expected = reference_attention(q, k, v, head_dim ** -0.5, causal_offset=context)
+        torch.testing.assert_close(out[start:start + len(q)], expected, rtol=1e-5, atol=1e-5)
+        start += len(q)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_triton_reads_8bit_float_caches(kv_dtype):
+    """--kv-cache-dtype fp8 on CUDA: decode (whole and split) and prefill behind cached context read the 8-bit cache
+    in place, widened to float32."""
+    seq_lens, context_lens = [7, 130, 41], [0, 64, 40]
+    cache, tables, contiguous = random_paged_cache(seq_lens, 2, 64, 16, seed=5)
+    cache = stored(cache, kv_dtype)
+    q = torch.randn(len(seq_lens), 8, 64)
+    for splits in (1, 2):
+        out = triton_decode(q, cache, decode_metadata(tables, seq_lens), 0.125, splits)
+        for i, (k, v) in enumerate(contiguous):
+            expected = reference_attention(q[i:i + 1], rounded(k, kv_dtype), rounded(v, kv_dtype), 0.125)
+            torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
+    q_chunks = [torch.randn(n - c, 8, 64) for n, c in zip(seq_lens, context_lens)]
+    out = triton_prefill(q_chunks, cache, tables, context_lens, 0.125)
+    start = 0
+    for q, (k, v), context in zip(q_chunks, contiguous, context_lens):
+        expected = reference_attention(q, rounded(k, kv_dtype), rounded(v, kv_dtype), 0.125, causal_offset=context)
         torch.testing.assert_close(out[start:start + len(q)], expected, rtol=1e-5, atol=1e-5)
         start += len(q)
 

@@ -1,7 +1,7 @@
 """The fused CPU decode step (every decoder layer in one C call) against the module-by-module path on the same
 weights, for each model variant (plain Llama, Qwen2's biases, Qwen3's per-head norms) and weight storage (float32,
-int8 blocks), and over float16 and bfloat16 KV caches. The module path itself is checked against transformers in
-tests/entrypoints."""
+int8 blocks), and over float16, bfloat16 and fp8 KV caches. The module path itself is checked against transformers
+in tests/entrypoints."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +27,7 @@ def run(model_dir, quantization: str, fused: bool, prompts, monkeypatch, kv_cach
 @pytest.mark.parametrize("kind,quantization,kv_cache_dtype", [
     *((kind, quantization, "auto") for kind in ("llama", "qwen2", "qwen3") for quantization in ("none", "int8")),
     ("llama", "none", "float16"), ("qwen3", "int8", "bfloat16"),  # the fused step writes and reads a narrow cache
+    ("qwen2", "int8", "fp8"),
 ])
 def test_fused_decode_matches_module_path(kind, quantization, kv_cache_dtype, tiny_model_factory, make_token_prompts,
                                           monkeypatch):

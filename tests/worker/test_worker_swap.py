@@ -41,7 +41,8 @@ def bytes_per_block(worker: Worker) -> int:
 
 @pytest.mark.parametrize("dtype,cache_dtype,element_size", [
     (torch.bfloat16, "auto", 2), (torch.float32, "auto", 4), (torch.float32, "float16", 2),
-    (torch.float32, "bfloat16", 2), (torch.bfloat16, "float32", 4)])
+    (torch.float32, "bfloat16", 2), (torch.bfloat16, "float32", 4), (torch.float32, "fp8", 1),
+    (torch.bfloat16, "fp8_e5m2", 1)])
 def test_host_blocks_are_swap_space_over_block_bytes(monkeypatch, dtype, cache_dtype, element_size):
     monkeypatch.setattr(worker_module, "available_host_memory", lambda: 64 * GiB)
     worker = make_worker(swap_space_bytes=GiB + 12345, dtype=dtype, cache_dtype=cache_dtype)
@@ -64,8 +65,8 @@ def test_swap_space_beyond_half_the_free_host_memory_is_capped_with_a_warning(mo
     assert len(warnings) == 1 and "--swap-space" in warnings[0][0]
 
 
-@pytest.mark.parametrize("cache_dtype", ["auto", "float16"])
-def test_execute_model_swaps_out_then_in_then_copies_before_the_forward(monkeypatch, cache_dtype):
+@pytest.mark.parametrize("cache_dtype", ["auto", "float16", "fp8"])
+def test_execute_model_swaps_out_then_in_then_copies_before_the_forward(monkeypatch, cache_dtype, same_bytes):
     worker = make_worker(dtype=torch.float32, cache_dtype=cache_dtype)
     worker.initialize_cache(num_blocks=4, num_host_blocks=3)
     cache = worker.cache_engine
@@ -88,10 +89,10 @@ def test_execute_model_swaps_out_then_in_then_copies_before_the_forward(monkeypa
                                          blocks_to_copy=[(2, 3)]))
     [(device, host)] = seen
     for kv, host_kv, old_kv, old_host in zip(device, host, device_before, host_before):
-        assert torch.equal(host_kv[:, :, 0], old_kv[:, :, 2])
-        assert torch.equal(kv[:, :, 2], old_host[:, :, 1])
-        assert torch.equal(kv[:, :, 3], old_host[:, :, 1])
-        assert torch.equal(kv[:, :, :2], old_kv[:, :, :2])
+        assert same_bytes(host_kv[:, :, 0], old_kv[:, :, 2])
+        assert same_bytes(kv[:, :, 2], old_host[:, :, 1])
+        assert same_bytes(kv[:, :, 3], old_host[:, :, 1])
+        assert same_bytes(kv[:, :, :2], old_kv[:, :, :2])
 
 
 def test_profile_run_still_uses_a_throwaway_cache_without_host_blocks(monkeypatch):

@@ -106,11 +106,8 @@ class Attention(nn.Module):
         backend = attention_backend(q.device.type, q.dtype)
         if backend == "c" and k.stride(-1) == 1 and v.stride(-1) == 1:
             cpu_kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        else:  # the cache may hold a narrower type than the model's (--kv-cache-dtype): round on the way in
-            key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
-                1, meta.slot_mapping, k.transpose(0, 1).to(key_cache.dtype))
-            value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
-                1, meta.slot_mapping, v.transpose(0, 1).to(value_cache.dtype))
+        else:
+            reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         if not meta.prefills:  # all decodes: the batched call's output is the whole output
             return self._decode(q, key_cache, value_cache, meta, backend).view(q.shape[0], -1)
         out = torch.empty_like(q)
@@ -169,6 +166,21 @@ class Attention(nn.Module):
             q, keys.unsqueeze(0), values.unsqueeze(0),
             attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out.squeeze(0).transpose(0, 1)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """The C kernel's cache write in PyTorch: key, value [T, Hkv, D] into their slots of caches [Hkv, num_blocks,
+    block_size, D], rounded to the cache's type (--kv-cache-dtype may make it narrower than the model's); 8-bit
+    floats saturate at their largest finite value rather than overflow, as the C kernel and vLLM's cache writes do
+    (torch's e5m2 conversion would give infinity)."""
+    for kv_cache, fresh in ((key_cache, key), (value_cache, value)):
+        if kv_cache.dtype.itemsize == 1:
+            limit = torch.finfo(kv_cache.dtype).max
+            fresh = fresh.clamp(-limit, limit)
+        # As bytes: index_copy_ has no 8-bit float kernel.
+        kv_cache.view(kv_cache.shape[0], -1, kv_cache.shape[-1]).view(torch.uint8).index_copy_(
+            1, slot_mapping, fresh.transpose(0, 1).to(kv_cache.dtype).view(torch.uint8))
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
