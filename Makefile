@@ -29,8 +29,10 @@ $(CHROMIUM):
 	$$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -qq
 	$$( [ "$$(id -u)" = 0 ] || echo sudo ) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 
+# Two pytest workers, a test file each at a time (module fixtures stay in one process): many tests wait on servers,
+# subprocesses and single-threaded references, so two files at once take ~35% less time than one after the other.
 test: install $(CHROMIUM)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: install
 	$(VENV)/bin/pagellm bench throughput --num-prompts 64 --input-len 32:512 --output-len 32:256 --backend both

@@ -7,6 +7,7 @@ file) covers real text and the chat path, where the reference is transformers' o
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -245,17 +246,19 @@ def test_smollm2_fp8_kv_cache_matches_hf_over_the_same_rounded_cache(smol_llm, s
             all_keys, all_values = super().update(*stored, layer_idx, *args, **kwargs)
             return (keys, values) if first else (all_keys, all_values)
 
+    # transformers 5 renamed forward's past_key_values to cache.
+    cache_argument = "cache" if "cache" in inspect.signature(smol_hf.forward).parameters else "past_key_values"
     llm = LLM(max_model_len=1024, kv_cache_memory_bytes=256 << 20, kv_cache_dtype="fp8")
     assert llm.llm_engine.engine_core.num_blocks == 4 * smol_llm.llm_engine.engine_core.num_blocks
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
     to_rounded, to_float32 = [], []
     for out in llm.generate(SMOL_PROMPTS[:5], params, use_tqdm=False):
         prompt, generated = out.prompt_token_ids, out.outputs[0].token_ids
-        cache = RoundedCache(config=smol_hf.config)
+        cache = {cache_argument: RoundedCache(config=smol_hf.config)}
         with torch.inference_mode():
             float32 = smol_hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:].log_softmax(-1)
-            steps = [smol_hf(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
-            steps += [smol_hf(torch.tensor([[t]]), past_key_values=cache).logits[0, -1] for t in generated[:-1]]
+            steps = [smol_hf(torch.tensor([prompt]), **cache).logits[0, -1]]
+            steps += [smol_hf(torch.tensor([[t]]), **cache).logits[0, -1] for t in generated[:-1]]
         for entry, rounded, plain in zip(out.outputs[0].logprobs, steps, float32):
             rounded = rounded.log_softmax(-1)
             for t, logprob in entry.items():
