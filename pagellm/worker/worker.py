@@ -11,6 +11,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.sched_output import GrammarOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.distributed.parallel_state import stage_layer_range
 from pagellm.logger import init_logger
+from pagellm.model_executor.layers.attention import check_kv_cache_dtype
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
@@ -60,6 +61,8 @@ class Worker:
         parallel = self.config.parallel_config
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            model_dtype = self.config.model_config.dtype
+            check_kv_cache_dtype(self.config.cache_config.kv_dtype(model_dtype), model_dtype, self.device)
         else:
             keep_large_allocations_on_heap()
             if parallel.world_size > 1 or parallel.data_parallel_size > 1:

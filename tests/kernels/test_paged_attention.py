@@ -385,3 +385,27 @@ def test_prefill_batch_tiles_cover_every_query_once():
     assert batch.query_starts.tolist() == [0, 70, 102] and batch.context_lens.tolist() == [0, 5, 9]
     assert list(zip(batch.tile_chunks.tolist(), batch.tile_starts.tolist())) == [(0, 0), (0, m), (0, 2 * m), (1, 0),
                                                                                 (2, 0)]
+
+
+@pytest.mark.parametrize("device,capability,cache_dtype,refused", [
+    ("cuda", (8, 0), torch.float8_e4m3fn, True),  # A100: Triton has no e4m3 there
+    ("cuda", (8, 6), torch.float8_e4m3fn, True),
+    ("cuda", (8, 9), torch.float8_e4m3fn, False),
+    ("cuda", (9, 0), torch.float8_e4m3fn, False),
+    ("cuda", (8, 0), torch.float8_e5m2, False),
+    ("cpu", None, torch.float8_e4m3fn, False),
+])
+def test_an_e4m3_cache_is_refused_at_start_up_where_triton_cannot_read_it(device, capability, cache_dtype, refused,
+                                                                           monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+    def check():
+        attention_layer.check_kv_cache_dtype(cache_dtype, torch.bfloat16, torch.device(device))
+
+    if refused:
+        message = (rf"fp8 \(e4m3\) needs a GPU of compute capability 8\.9 or newer .* this one is "
+                   rf"{capability[0]}\.{capability[1]}\. Use --kv-cache-dtype fp8_e5m2")
+        with pytest.raises(ValueError, match=message):
+            check()
+    else:
+        check()

@@ -89,6 +89,18 @@ def attention_backend(device_type: str, dtype: torch.dtype) -> str:
     return "triton" if device_type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
 
 
+def check_kv_cache_dtype(cache_dtype: torch.dtype, model_dtype: torch.dtype, device: torch.device) -> None:
+    """Fail at start-up rather than at the first decode: Triton compiles e4m3 (float8_e4m3fn) loads only for GPUs of
+    compute capability 8.9 or newer (Ada, Hopper), e5m2 everywhere."""
+    if (device.type == "cuda" and cache_dtype == torch.float8_e4m3fn
+            and attention_backend("cuda", model_dtype) == "triton"):
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"--kv-cache-dtype fp8 (e4m3) needs a GPU of compute capability 8.9 or newer (Ada, "
+                             f"Hopper) for the Triton attention kernels; this one is {capability[0]}.{capability[1]}. "
+                             f"Use --kv-cache-dtype fp8_e5m2 or float16.")
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
