@@ -36,7 +36,7 @@ ALWAYS_INLINE const char *block_rows(const void *base, const int64_t *table, int
     return (const char *)base + (size_t)(table[blk] * block_size * head_dim) * kv_size(kind);
 }
 
-/* The portable loop (key tiles take head sizes that are multiples of 16 where AVX2 is there). */
+/* The portable dot product (key_tile's vector loop takes head sizes that are multiples of 16 where AVX2 is there). */
 ALWAYS_INLINE float dot(const float *q, const void *k, int64_t n, int kind) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -79,9 +79,8 @@ ALWAYS_INLINE void prefetch_row(const char *next, int64_t i, size_t row_bytes) {
 }
 
 /* s[g][t - begin] = q_g . k_t * scale for `heads` heads of a group (their q rows head_dim apart, their s rows `len`
- * apart) over tokens [begin, end), head_dim a multiple of 16: each key row is loaded (and widened) once for every
- * head. */
-#if VECTOR_KV
+ * apart) over tokens [begin, end). With AVX2 and head_dim a multiple of 16 each key row is loaded (and widened)
+ * once for every head of the tile; otherwise each head takes the portable dot product. */
 ALWAYS_INLINE void key_tile(const float *q, const void *keys, const int64_t *table, int64_t begin, int64_t end,
                             float *s, int64_t len, int64_t head_dim, int64_t block_size, float scale, int kind,
                             const int heads) {
@@ -92,21 +91,27 @@ ALWAYS_INLINE void key_tile(const float *q, const void *keys, const int64_t *tab
         const int64_t n = end - t0 < block_size ? end - t0 : block_size;
         for (int64_t i = 0; i < n; i++, k += row_bytes) {
             prefetch_row(next, i, row_bytes);
-            __m256 acc[3][2];
-            for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < head_dim; c += 16) {
-                const __m256 x0 = load8(k, c, kind), x1 = load8(k, c + 8, kind);
-                for (int g = 0; g < heads; g++) {
-                    acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c), x0, acc[g][0]);
-                    acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c + 8), x1, acc[g][1]);
+            float *row_scores = s + t0 - begin + i;
+#if VECTOR_KV
+            if (head_dim % 16 == 0) {
+                __m256 acc[3][2];
+                for (int g = 0; g < heads; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < head_dim; c += 16) {
+                    const __m256 x0 = load8(k, c, kind), x1 = load8(k, c + 8, kind);
+                    for (int g = 0; g < heads; g++) {
+                        acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c), x0, acc[g][0]);
+                        acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c + 8), x1, acc[g][1]);
+                    }
                 }
+                for (int g = 0; g < heads; g++)
+                    row_scores[g * len] = hsum256(_mm256_add_ps(acc[g][0], acc[g][1])) * scale;
+                continue;
             }
-            for (int g = 0; g < heads; g++)
-                s[g * len + t0 - begin + i] = hsum256(_mm256_add_ps(acc[g][0], acc[g][1])) * scale;
+#endif
+            for (int g = 0; g < heads; g++) row_scores[g * len] = dot(q + g * head_dim, k, head_dim, kind) * scale;
         }
     }
 }
-#endif
 
 /* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for `heads` heads of a group (their p rows `len` apart, their o
  * rows head_dim apart) over tokens [begin, end), begin a multiple of block_size. 32 columns at a time: each value
@@ -171,33 +176,18 @@ ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *valu
     }
 }
 
-/* s[g][t - begin] = q_g . k_t * scale for every head g of the group (s rows `len` apart), over tokens [begin, end). */
+/* s[g][t - begin] = q_g . k_t * scale for every head g of the group (s rows `len` apart), over tokens [begin, end),
+ * in tiles of three heads (12 sums and the 2 widened key vectors stay in registers). */
 ALWAYS_INLINE void key_scores(const float *q, const void *keys, const int64_t *table, int64_t begin, int64_t end,
                               float *s, int64_t len, int64_t group, int64_t head_dim, int64_t block_size, float scale,
                               int kind) {
-#if VECTOR_KV
-    if (head_dim % 16 == 0) { /* heads in tiles of three, as for the values */
-        for (int64_t g0 = 0; g0 < group; g0 += 3) {
-            const float *qg = q + g0 * head_dim;
-            float *sg = s + g0 * len;
-            const int64_t heads = group - g0; /* a constant in each call, so each tile size gets its own loops */
-            if (heads >= 3) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 3);
-            else if (heads == 2) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 2);
-            else key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 1);
-        }
-        return;
-    }
-#endif
-    const size_t row_bytes = (size_t)head_dim * kv_size(kind);
-    for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
-        const char *k = block_rows(keys, table, blk, block_size, head_dim, kind);
-        const char *next = next_block(keys, table, blk, end, block_size, head_dim, kind);
-        const int64_t n = end - t0 < block_size ? end - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, k += row_bytes) {
-            prefetch_row(next, i, row_bytes);
-            for (int64_t g = 0; g < group; g++)
-                s[g * len + t0 - begin + i] = dot(q + g * head_dim, k, head_dim, kind) * scale;
-        }
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const float *qg = q + g0 * head_dim;
+        float *sg = s + g0 * len;
+        const int64_t heads = group - g0; /* a constant in each call, so each tile size gets its own loops */
+        if (heads >= 3) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 3);
+        else if (heads == 2) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 2);
+        else key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 1);
     }
 }
 
