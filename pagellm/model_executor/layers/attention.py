@@ -187,12 +187,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     floats saturate at their largest finite value rather than overflow, as the C kernel and vLLM's cache writes do
     (torch's e5m2 conversion would give infinity)."""
     for kv_cache, fresh in ((key_cache, key), (value_cache, value)):
-        if kv_cache.dtype.itemsize == 1:
+        slots, fresh = kv_cache.view(kv_cache.shape[0], -1, kv_cache.shape[-1]), fresh.transpose(0, 1)
+        if kv_cache.dtype.itemsize == 1:  # index_copy_ has no 8-bit float kernel: copy their bytes
             limit = torch.finfo(kv_cache.dtype).max
-            fresh = fresh.clamp(-limit, limit)
-        # As bytes: index_copy_ has no 8-bit float kernel.
-        kv_cache.view(kv_cache.shape[0], -1, kv_cache.shape[-1]).view(torch.uint8).index_copy_(
-            1, slot_mapping, fresh.transpose(0, 1).to(kv_cache.dtype).view(torch.uint8))
+            fresh = fresh.clamp(-limit, limit).to(kv_cache.dtype).contiguous().view(torch.uint8)
+            slots = slots.view(torch.uint8)
+        slots.index_copy_(1, slot_mapping, fresh.to(slots.dtype))
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
