@@ -1,7 +1,7 @@
 """Engine configuration: one dataclass per concern, validated once when built."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -98,6 +98,13 @@ class CacheConfig:
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return KV_CACHE_DTYPES[self.cache_dtype] or model_dtype
+
+    def metrics_info(self, model_dtype: torch.dtype) -> dict[str, str]:
+        """Every setting as a string, and the element type the cache holds (`kv_dtype`, what "auto" resolves to):
+        the labels of /metrics' `cache_config_info`, as vLLM exports its cache config."""
+        info = {setting.name: str(getattr(self, setting.name)) for setting in fields(self)}
+        info["kv_dtype"] = str(self.kv_dtype(model_dtype)).removeprefix("torch.")
+        return info
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:

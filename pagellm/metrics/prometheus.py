@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -90,11 +90,19 @@ class _PerEngine:
 
 
 class PrometheusStatLogger(StatLoggerBase):
-    def __init__(self, model_name: str, replica_stats: Callable[[], list[SchedulerStats]]) -> None:
+    """`cache_config_info`: the KV cache's settings, exported as the labels of a gauge set to 1 (vLLM's
+    `cache_config_info`), so dashboards can tell the block size and the cache's element type."""
+
+    def __init__(self, model_name: str, replica_stats: Callable[[], list[SchedulerStats]],
+                 cache_config_info: dict[str, str] | None = None) -> None:
         self._model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(model_name, replica_stats))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open fds
+        if cache_config_info:
+            Gauge("pagellm:cache_config_info", "Information of the KV cache's configuration.",
+                  ["model_name", *cache_config_info], registry=self.registry).labels(
+                model_name=model_name, **cache_config_info).set(1)
         num_engines = len(replica_stats())
         labels = ["model_name", "engine"]
 

@@ -79,7 +79,8 @@ async def _every(interval_s: float, callback: Callable[[], None]) -> None:
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The app owns the engine from here on: its shutdown stops the engine."""
-    metrics = PrometheusStatLogger(config.served_model_names[0], engine.get_replica_scheduler_stats)
+    metrics = PrometheusStatLogger(config.served_model_names[0], engine.get_replica_scheduler_stats,
+                                   engine.config.cache_config.metrics_info(engine.config.model_config.dtype))
     engine.add_stat_logger(metrics)
     history = StatsHistory(engine.get_scheduler_stats)  # the dashboard's time series
     engine.add_stat_logger(history)

@@ -108,3 +108,5 @@ def test_metrics_names_and_counters(server, client, tokenizer):
         assert counter(after, name) - counter(before, name) == delta, name
     text = httpx.get(f"{server.url}/metrics").text
     assert 'model_name="tiny"' in text and "Prefix cache hits" in text
+    [cache_info] = [dict(labels) for name, labels in after if name == "pagellm:cache_config_info"]
+    assert cache_info["kv_dtype"] == "float32" and cache_info["block_size"] == "16"

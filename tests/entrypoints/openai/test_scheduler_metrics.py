@@ -4,9 +4,11 @@ line's prefix cache hit rate covers the interval since the previous line."""
 from __future__ import annotations
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagellm.config import CacheConfig
 from pagellm.metrics import loggers
 from pagellm.metrics.loggers import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
@@ -50,6 +52,20 @@ def test_scheduler_snapshot_is_exported_at_scrape_time():
     metrics = scrape(stat_logger)
     assert metrics["pagellm:prefix_cache_hits"] == ("counter", 400)
     assert metrics["pagellm:host_kv_cache_usage_perc"] == ("gauge", 0)  # no host tier: 0, not a division by zero
+
+
+def test_the_cache_config_is_exported_as_labels():
+    """vLLM's cache_config_info: a gauge at 1 whose labels are the KV cache's settings, with the element type the
+    cache holds."""
+    info = CacheConfig(block_size=32, cache_dtype="fp8", swap_space_bytes=0).metrics_info(torch.float32)
+    text = generate_latest(PrometheusStatLogger("tiny", lambda: [STATS], info).registry).decode()
+    [family] = [f for f in text_string_to_metric_families(text) if f.name == "pagellm:cache_config_info"]
+    [sample] = family.samples
+    assert family.type == "gauge" and sample.value == 1
+    assert {key: sample.labels[key] for key in ("model_name", "block_size", "cache_dtype", "kv_dtype",
+                                                "enable_prefix_caching", "swap_space_bytes")} == {
+        "model_name": "tiny", "block_size": "32", "cache_dtype": "fp8", "kv_dtype": "float8_e4m3fn",
+        "enable_prefix_caching": "True", "swap_space_bytes": "0"}
 
 
 def test_prompt_tokens_are_not_counted_as_prefix_cache_queries():
