@@ -80,17 +80,23 @@ ALWAYS_INLINE void prefetch_row(const char *next, int64_t i, size_t row_bytes) {
 
 /* s[g][t - begin] = q_g . k_t * scale for `heads` heads of a group (their q rows head_dim apart, their s rows `len`
  * apart) over tokens [begin, end). With AVX2 and head_dim a multiple of 16 each key row is loaded (and widened)
- * once for every head of the tile; otherwise each head takes the portable dot product. */
-ALWAYS_INLINE void key_tile(const float *q, const void *keys, const int64_t *table, int64_t begin, int64_t end,
-                            float *s, int64_t len, int64_t head_dim, int64_t block_size, float scale, int kind,
-                            const int heads) {
+ * once for every head of the tile; otherwise each head takes the portable dot product. `values` (or NULL): the
+ * value rows of the same tokens are asked into L2 as their keys are read, so the value pass finds them there
+ * (this loop is waiting on memory anyway: 4-11% faster at 32 sequences of 160 tokens, 3% at one of 2,048). */
+ALWAYS_INLINE void key_tile(const float *q, const void *keys, const void *values, const int64_t *table, int64_t begin,
+                            int64_t end, float *s, int64_t len, int64_t head_dim, int64_t block_size, float scale,
+                            int kind, const int heads) {
     const size_t row_bytes = (size_t)head_dim * kv_size(kind);
     for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
         const char *k = block_rows(keys, table, blk, block_size, head_dim, kind);
         const char *next = next_block(keys, table, blk, end, block_size, head_dim, kind);
+        const char *v = values ? block_rows(values, table, blk, block_size, head_dim, kind) : NULL;
         const int64_t n = end - t0 < block_size ? end - t0 : block_size;
         for (int64_t i = 0; i < n; i++, k += row_bytes) {
             prefetch_row(next, i, row_bytes);
+            if (v != NULL)
+                for (size_t offset = 0; offset < row_bytes; offset += 64)
+                    __builtin_prefetch(v + i * row_bytes + offset, 0, 2);
             float *row_scores = s + t0 - begin + i;
 #if VECTOR_KV
             if (head_dim % 16 == 0) {
@@ -177,17 +183,19 @@ ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *valu
 }
 
 /* s[g][t - begin] = q_g . k_t * scale for every head g of the group (s rows `len` apart), over tokens [begin, end),
- * in tiles of three heads (12 sums and the 2 widened key vectors stay in registers). */
-ALWAYS_INLINE void key_scores(const float *q, const void *keys, const int64_t *table, int64_t begin, int64_t end,
-                              float *s, int64_t len, int64_t group, int64_t head_dim, int64_t block_size, float scale,
-                              int kind) {
+ * in tiles of three heads (12 sums and the 2 widened key vectors stay in registers). The first tile also brings
+ * the values' rows into L2. */
+ALWAYS_INLINE void key_scores(const float *q, const void *keys, const void *values, const int64_t *table,
+                              int64_t begin, int64_t end, float *s, int64_t len, int64_t group, int64_t head_dim,
+                              int64_t block_size, float scale, int kind) {
     for (int64_t g0 = 0; g0 < group; g0 += 3) {
         const float *qg = q + g0 * head_dim;
+        const void *v = g0 == 0 ? values : NULL;
         float *sg = s + g0 * len;
         const int64_t heads = group - g0; /* a constant in each call, so each tile size gets its own loops */
-        if (heads >= 3) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 3);
-        else if (heads == 2) key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 2);
-        else key_tile(qg, keys, table, begin, end, sg, len, head_dim, block_size, scale, kind, 1);
+        if (heads >= 3) key_tile(qg, keys, v, table, begin, end, sg, len, head_dim, block_size, scale, kind, 3);
+        else if (heads == 2) key_tile(qg, keys, v, table, begin, end, sg, len, head_dim, block_size, scale, kind, 2);
+        else key_tile(qg, keys, v, table, begin, end, sg, len, head_dim, block_size, scale, kind, 1);
     }
 }
 
@@ -199,7 +207,7 @@ ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, 
                           int64_t begin, int64_t end, float *o, float *stats, float *scores, int64_t group,
                           int64_t head_dim, int64_t block_size, float scale, int kind) {
     const int64_t len = end - begin;
-    key_scores(q, keys, table, begin, end, scores, len, group, head_dim, block_size, scale, kind);
+    key_scores(q, keys, values, table, begin, end, scores, len, group, head_dim, block_size, scale, kind);
     for (int64_t g = 0; g < group; g++) exponentials(scores + g * len, len, stats + 2 * g, stats + 2 * g + 1);
     weighted_values(scores, len, values, table, begin, end, o, group, head_dim, block_size, kind);
 }
