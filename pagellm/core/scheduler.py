@@ -1,10 +1,8 @@
 """Continuous batching under a token budget, with chunked prefill, prefix caching and preemption.
 
-There are no prefill or decode phases: every request has `num_computed_tokens`, and each step the scheduler
-hands out tokens (running requests first, then waiting ones in the policy's order, see sched_policy.py) until the
-budget `max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer than the remaining budget is split
-into chunks (when chunked prefill is on), so decodes never stall behind it. A request admitted with a cached
-prefix (see KVCacheManager) starts with those tokens computed.
+The Scheduler owns the request queues (waiting, running, waiting for a grammar) and each request's lifecycle, and
+runs the step's two halves: `schedule` builds the next batch (which requests compute how many tokens, and what is
+preempted for them: sched_batch.py), and `update_from_output` applies its results (sched_results.py).
 
 With async scheduling (see async_scheduling.py) a running request may be scheduled again while a batch holding it
 is still out: it then continues from where that batch leaves it, its sampled token computed blind.
@@ -26,9 +24,7 @@ requests of the step go on.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
-import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -36,19 +32,18 @@ from concurrent.futures import Future
 import numpy as np
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.async_scheduling import tokens_after_flight
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched_batch import (admit_compiled_grammars, admit_waiting, make_room_for_waiting, num_next_tokens,
+                                      num_sequences, num_slots_in_use, preempt_for_priority, schedule_running)
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched_policy import SchedulingPolicy
+from pagellm.core.sched_results import apply_results
 from pagellm.core.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError
-from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.structured_output.manager import StructuredOutputManager
-
-logger = init_logger(__name__)
 
 
 class Scheduler:
@@ -175,8 +170,8 @@ class Scheduler:
         of the queue, those beyond the free sequence slots (n each) or the free KV blocks (their tokens so far).
         A burst that fits is not a backlog. Requests whose grammar compiles count as queued behind the others."""
         queued = [*self.waiting, *self.waiting_for_fsm]
-        demands = ((self._num_sequences(r), r.num_tokens) for r in queued)
-        free_seqs = self.config.max_num_seqs - self._num_slots_in_use()
+        demands = ((num_sequences(r), r.num_tokens) for r in queued)
+        free_seqs = self.config.max_num_seqs - num_slots_in_use(self.running)
         free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
         return len(queued) - self.num_fitting(demands, free_seqs, free_blocks)
 
@@ -215,41 +210,22 @@ class Scheduler:
     def schedule(self, max_scheduled: int | None = None) -> SchedulerOutput:
         """The next batch: at most `max_scheduled` requests (a pipeline splits its requests into a batch per stage,
         so that the stages overlap), none of them in flight."""
-        self._admit_compiled_grammars()
+        admit_compiled_grammars(self)
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         token_budget = self.config.max_num_batched_tokens
         self.policy.order_waiting(self.waiting)
-        self._preempt_for_priority(output)
+        preempt_for_priority(self, output)
         preempted_for_priority = len(output.preempted_req_ids)
 
-        index = 0
         limit = max_scheduled or sys.maxsize
-        while index < len(self.running) and token_budget > 0 and len(output.scheduled) < limit:
-            request = self.running[index]
-            flight = self.in_flight.get(request.request_id)
-            # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
-            num_new = self._num_next_tokens(request, flight)
-            if not num_new:
-                index += 1
-                continue
-            num_new = min(num_new, token_budget)
-            # Slots for the tokens of its batch in flight were allocated when that batch was scheduled.
-            allocated = self._allocate_or_preempt(request, (flight.num_tokens if flight else 0) + num_new, index,
-                                                  output)
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted itself; the request now at `index` is the next one
-            if allocated:
-                output.scheduled.append(self._schedule(request, num_new, output, flight))
-                token_budget -= num_new
-            index += 1
-
+        token_budget = schedule_running(self, output, token_budget, limit)
         # Admitting new work while running requests are short of blocks would only thrash the cache.
         if len(output.preempted_req_ids) == preempted_for_priority:
-            self._admit_waiting(output, token_budget, limit)
+            admit_waiting(self, output, token_budget, limit)
         if not output.scheduled and self.waiting and self.running and not self.in_flight:
-            self._make_room_for_waiting(output)
-            self._admit_waiting(output, token_budget, limit)
+            make_room_for_waiting(self, output)
+            admit_waiting(self, output, token_budget, limit)
         transfers = self.kv_cache_manager.take_transfers()
         output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
         output.blocks_to_copy = transfers.copies
@@ -262,38 +238,13 @@ class Scheduler:
         self.in_flight.update((scheduled.request_id, scheduled) for scheduled in output.scheduled)
         return output
 
-    def _num_next_tokens(self, request: Request, flight: ScheduledRequest | None) -> int | None:
-        """Tokens the request could compute this step, before the token budget; None while it must wait for its
-        batch in flight."""
-        if flight is None:
-            return request.num_tokens - request.num_computed_tokens
-        if not self.config.async_scheduling:
-            return None
-        return tokens_after_flight(request, flight, self.config.max_model_len)
-
     def can_schedule_ahead(self) -> bool:
         """Async scheduling: whether the next batch may be scheduled before the oldest in flight is collected, i.e.
         no running request in flight must wait for its results (scheduling without it would leave it a step
         behind)."""
-        return all(self._num_next_tokens(self.requests[request_id], flight) is not None
+        return all(num_next_tokens(self.requests[request_id], flight, self.config) is not None
                    for request_id, flight in self.in_flight.items()
                    if request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING)
-
-    def _allocate_or_preempt(self, request: Request, num_slots: int, index: int, output: SchedulerOutput) -> bool:
-        """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from
-        `index` on (not yet scheduled this step, nor in flight) while the pool is short. False when it could not:
-        the request itself was preempted, or nobody can be."""
-        while not self.kv_cache_manager.allocate_slots(request, num_slots):
-            candidates = self._preemptible(self.running[index:])
-            if not candidates:
-                return False
-            victim = self.policy.pick_victim(candidates)
-            self.running.remove(victim)
-            self._preempt(victim)
-            output.preempted_req_ids.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
 
     def _land(self, output: SchedulerOutput) -> None:
         """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them (that
@@ -302,23 +253,6 @@ class Scheduler:
             flight = self.in_flight.get(scheduled.request_id)
             if flight is not None and flight.num_computed_tokens <= scheduled.num_computed_tokens:
                 del self.in_flight[scheduled.request_id]
-
-    def _preemptible(self, candidates: list[Request]) -> list[Request]:
-        return [r for r in candidates if r.request_id not in self.in_flight] if self.in_flight else candidates
-
-    def _admit_compiled_grammars(self) -> None:
-        """Requests whose grammar has compiled join the waiting queue; one whose grammar failed fails alone."""
-        errors: dict[str, str] = {}
-        for request in [r for r in self.waiting_for_fsm if r.structured_output_request.is_compiled]:
-            try:
-                request.structured_output_request.take_grammar()
-            except Exception as exc:
-                errors[request.group_id] = f"{type(exc).__name__}: {exc}"
-                continue
-            self.waiting_for_fsm.remove(request)
-            request.status = RequestStatus.WAITING
-            self.waiting.append(request)
-        self._fail_groups(errors)
 
     def _mark_constrained(self, output: SchedulerOutput) -> None:
         """Name the sequences of this step that sample under a grammar."""
@@ -343,104 +277,6 @@ class Scheduler:
         the grammar advanced by the token of the batch still in flight."""
         constrained = set(output.structured_output_request_ids)
         return any(s.pending_token and s.request_id in constrained for s in output.scheduled)
-
-    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
-        """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its
-        first chunk), preempt the lowest-priority running request if it ranks strictly below it."""
-        if not self.waiting:
-            return
-        head = self.waiting[0]
-        manager = self.kv_cache_manager
-        first_chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
-        need = manager.num_blocks_for_tokens(head.num_computed_tokens + first_chunk)
-        while candidates := self._preemptible(self.running):
-            fits = (self._num_slots_in_use() + self._num_sequences(head) <= self.config.max_num_seqs
-                    and manager.block_pool.num_free_blocks >= need)
-            victim = self.policy.pick_victim(candidates)
-            if fits or not self.policy.outranks(head, victim):
-                return
-            self.running.remove(victim)
-            self._preempt(victim, to_front=False)
-            output.preempted_req_ids.append(victim.request_id)
-
-    def _admit_waiting(self, output: SchedulerOutput, token_budget: int, limit: int) -> None:
-        slots_in_use = self._num_slots_in_use()
-        while self.waiting and token_budget > 0 and len(output.scheduled) < limit:
-            request = self.waiting[0]
-            if request.request_id in output.preempted_req_ids:
-                break  # preempted this step to make room: it waits for the next one
-            if slots_in_use + self._num_sequences(request) > self.config.max_num_seqs:
-                break
-            manager = self.kv_cache_manager
-            swapped = manager.is_swapped_out(request)
-            computed = manager.get_computed_blocks(request) if not swapped else None
-            num_cached = computed.num_blocks * manager.block_size if computed else 0
-            num_new = request.num_tokens - request.num_computed_tokens - num_cached
-            if num_new > token_budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, token_budget)
-            if not manager.allocate_slots(request, num_new, computed):
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if not swapped:
-                manager.record_query(request)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = num_cached
-            self.running.append(request)
-            slots_in_use += self._num_sequences(request)
-            output.scheduled.append(self._schedule(request, num_new, output))
-            token_budget -= num_new
-
-    @staticmethod
-    def _num_sequences(request: Request) -> int:
-        """Sequence slots a request takes: n for one that will fork at its first sample, beam_width for the first
-        beam of a beam search (the slots of its future sequences are held from admission on, prefill chunks
-        included, so forks never take the running count over max_num_seqs), else one."""
-        if request.num_output_tokens:
-            return 1
-        if request.beam_group is not None:
-            return request.beam_group.params.beam_width if len(request.beam_group.beams) == 1 else 1
-        return request.sampling_params.n
-
-    def _num_slots_in_use(self) -> int:
-        return sum(self._num_sequences(r) for r in self.running)
-
-    def _make_room_for_waiting(self, output: SchedulerOutput) -> None:
-        """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not
-        fit (in the pool, or under max_num_seqs). Preempt other requests' sequences (newest first, to the back of
-        the queue) until it does; a beam group alone always fits the pool (checked when it is added)."""
-        head = self.waiting[0]
-        need = self.kv_cache_manager.num_blocks_for_tokens(head.num_tokens)
-        for victim in reversed(list(self.running)):
-            if (self.kv_cache_manager.block_pool.num_free_blocks >= need
-                    and self._num_slots_in_use() + self._num_sequences(head) <= self.config.max_num_seqs):
-                break
-            if victim.group_id == head.group_id:
-                continue
-            self.running.remove(victim)
-            self._preempt(victim, to_front=False)
-            output.preempted_req_ids.append(victim.request_id)
-
-    def _schedule(self, request: Request, num_new: int, output: SchedulerOutput,
-                  flight: ScheduledRequest | None = None) -> ScheduledRequest:
-        """The request's part of the step, as a diff against what the workers already have (see sched_output.py):
-        a sequence they do not know yet is added to `output.new_requests` in full. With a batch of it in `flight`
-        (async scheduling) it starts where that batch ends, after the token that batch samples, if any."""
-        num_computed, num_known = request.num_computed_tokens, request.num_tokens
-        if flight is not None:
-            num_computed = flight.num_computed_tokens + flight.num_tokens
-            num_known += flight.needs_sample
-        needs_sample = num_computed + num_new == num_known
-        scheduled = ScheduledRequest(
-            request.request_id, num_new, num_computed, needs_sample=needs_sample,
-            pending_token=flight is not None and flight.needs_sample,
-            # n > 1: the first sample is drawn n times from the same logits, then the request forks (beams take
-            # their candidates from one sample's logprobs).
-            num_samples=self._num_sequences(request) if needs_sample and request.beam_group is None else 1)
-        self.worker_view.fill(scheduled, request, output)
-        return scheduled
 
     def _preempt(self, request: Request, to_front: bool = True) -> None:
         """Swap the request's K/V out to the host tier (preemption_mode="swap", when the host tier has room and
@@ -478,140 +314,18 @@ class Scheduler:
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
         self.kv_cache_manager.finish_step()  # the step's block copies are done
         self._land(output)
-        updated: list[Request] = []
-        ready_groups: dict[str, BeamGroup] = {}
         # Keyed by group: a sibling that finished earlier in this update must not hide its group's failure.
         errors = {self.requests[rid].group_id: error for rid, error in (failed or {}).items() if rid in self.requests}
-        for scheduled in output.scheduled:
-            request = self.requests.get(scheduled.request_id)
-            if request is None or request.group_id in errors:  # aborted while the step ran, or its group failed
-                continue
-            try:
-                updated += self._update_request(request, scheduled, sampled, logprobs, prompt_logprobs)
-            except Exception as exc:
-                logger.exception("Updating request %s failed; it fails alone.", request.request_id)
-                errors[request.group_id] = f"{type(exc).__name__}: {exc}"
-                continue
-            if request.beam_group is not None and request.beam_group.ready:
-                ready_groups[request.group_id] = request.beam_group
-        for group_id, group in ready_groups.items():
-            if group_id in errors:
-                continue
-            try:
-                self._advance_beams(group)
-            except Exception as exc:
-                logger.exception("Advancing beam search %s failed; it fails alone.", group_id)
-                errors[group_id] = f"{type(exc).__name__}: {exc}"
+        updated, finished_groups = apply_results(self, output, sampled, logprobs, prompt_logprobs, errors)
+        self._finished_beam_groups += finished_groups
         if errors:
             self._fail_groups(errors)
             updated = [r for r in updated if r.group_id not in errors]
         return updated, [r for r in updated if r.is_finished]
 
-    def _update_request(self, request: Request, scheduled: ScheduledRequest, sampled: dict[str, list[int]],
-                        logprobs: dict[str, list] | None, prompt_logprobs: dict | None) -> list[Request]:
-        """Apply one scheduled request's results; returns its sequences that got a token (several when it
-        forks)."""
-        request.num_computed_tokens += scheduled.num_tokens
-        self.kv_cache_manager.cache_full_blocks(request)
-        if prompt_logprobs and request.request_id in prompt_logprobs:
-            first, entries = prompt_logprobs[request.request_id]
-            have = len(request.prompt_logprobs)
-            if first <= have:
-                request.prompt_logprobs.extend(entries[have - first:])
-        if not scheduled.needs_sample:
-            return []
-        entries = (logprobs or {}).get(request.request_id) or [None] * scheduled.num_samples
-        if request.beam_group is not None:
-            ids, values, _ = entries[0]
-            request.beam_candidates = (ids[1:], values[1:])  # the top-k, after the sampled (argmax) token
-            return []
-        tokens = sampled[request.request_id]
-        sequences = [request] + self._fork_samples(request, len(tokens) - 1)
-        for sequence, token, entry in zip(sequences, tokens, entries):
-            if entry is not None:
-                sequence.logprobs.append(entry)
-                sequence.cumulative_logprob += entry[1][0]
-            sequence.append_output_token(token)
-            structured = sequence.structured_output_request
-            if structured is not None and not structured.grammar.accept_tokens([token]):
-                raise RuntimeError(f"Sampled token {token} is not allowed by the request's structured output "
-                                   f"grammar.")
-            status = self._check_stop(sequence)
-            if status is not None:
-                self.running.remove(sequence)
-                self._finish(sequence, status)
-        return sequences
-
-    def _fork_samples(self, request: Request, num_forks: int) -> list[Request]:
-        """n > 1: sequences 1..n-1 of `request`, sharing its blocks, running right after it. With a seed, sequence
-        i continues from seed + i."""
-        children = []
-        position = self.running.index(request) + 1
-        for index in range(1, num_forks + 1):
-            params = request.sampling_params
-            params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
-            child = request.fork(f"{request.group_id}/{index}", index, params)
-            self.kv_cache_manager.fork(request, child)
-            self._track(child)
-            self.running.insert(position, child)
-            position += 1
-            children.append(child)
-        return children
-
-    def _advance_beams(self, group: BeamGroup) -> None:
-        """Apply the group's choice: beams chosen k times fork k - 1 copies, beams not chosen are freed."""
-        choices = group.select()
-        by_parent: dict[Request, list] = {}
-        for choice in choices:
-            by_parent.setdefault(choice.parent, []).append(choice)
-        for beam in group.beams:
-            beam.beam_candidates = None
-            if beam not in by_parent:
-                self.running.remove(beam)
-                self._finish(beam, RequestStatus.FINISHED_ABORTED)
-        beams = []
-        for parent, picks in by_parent.items():
-            # Forks copy the parent's tokens, so they are made before the parent takes its own next token.
-            for choice in picks[1:]:
-                child = parent.fork(group.next_beam_id(), 0)
-                self.kv_cache_manager.fork(parent, child)
-                self._track(child)
-                self.running.insert(self.running.index(parent) + 1, child)
-                child.append_output_token(choice.token_id)
-                child.cumulative_logprob = choice.cum_logprob
-                beams.append(child)
-            parent.append_output_token(picks[0].token_id)
-            parent.cumulative_logprob = picks[0].cum_logprob
-            beams.append(parent)
-        beams.sort(key=lambda b: b.cumulative_logprob, reverse=True)
-        group.beams = beams
-        if group.is_done(self.config.max_model_len):
-            for beam in beams:
-                self.running.remove(beam)
-                self._finish(beam, RequestStatus.FINISHED_LENGTH)
-            group.finish()
-            self._finished_beam_groups.append(group)
-
     def take_finished_beam_groups(self) -> list[BeamGroup]:
         groups, self._finished_beam_groups = self._finished_beam_groups, []
         return groups
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        token = request.output_token_ids[-1]
-        params = request.sampling_params
-        if not params.ignore_eos and token in request.eos_token_ids:
-            request.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        structured = request.structured_output_request
-        if structured is not None and structured.grammar.is_terminated():  # the output is complete
-            request.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.worker_view.forget(request.request_id)

@@ -7,6 +7,7 @@ import pytest
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core import sched_results
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
@@ -41,14 +42,14 @@ def test_a_request_whose_update_raises_fails_alone_with_its_whole_group(monkeypa
     sched.add_request(make_request("other"))
     step(sched)  # prefill; "pair" forks into pair and pair/1, sharing blocks
     assert sched.groups["pair"] == {"pair", "pair/1"}
-    check_stop = sched._check_stop
+    check_stop = sched_results.check_stop
 
-    def broken_for_pair(request):
+    def broken_for_pair(request, max_model_len):
         if request.group_id == "pair" and request.index == 1:
             raise RuntimeError("injected")
-        return check_stop(request)
+        return check_stop(request, max_model_len)
 
-    monkeypatch.setattr(sched, "_check_stop", broken_for_pair)
+    monkeypatch.setattr(sched_results, "check_stop", broken_for_pair)
     held_by_other = len(sched.kv_cache_manager.get_block_ids("other"))
     updated, finished = step(sched)
     assert [r.request_id for r in updated] == ["other"] and not finished
@@ -68,14 +69,14 @@ def test_a_failure_after_a_sibling_finished_in_the_same_update_still_fails_the_g
     so the fork is freed and reported even though the sequence that was being updated is already finished."""
     sched = make_scheduler()
     sched.add_request(make_request("pair", n=2, stop_token_ids=(TOKEN,)))
-    check_stop = sched._check_stop
+    check_stop = sched_results.check_stop
 
-    def broken_for_the_fork(request):
+    def broken_for_the_fork(request, max_model_len):
         if request.index == 1:
             raise RuntimeError("injected")
-        return check_stop(request)
+        return check_stop(request, max_model_len)
 
-    monkeypatch.setattr(sched, "_check_stop", broken_for_the_fork)
+    monkeypatch.setattr(sched_results, "check_stop", broken_for_the_fork)
     updated, _ = step(sched)
     assert updated == [] and sched.take_failed_groups() == {"pair": "RuntimeError: injected"}
     assert not sched.requests and not sched.has_unfinished_requests() and used_blocks(sched) == 0
