@@ -82,7 +82,7 @@ ALWAYS_INLINE void prefetch_row(const char *next, int64_t i, size_t row_bytes) {
  * apart) over tokens [begin, end). With AVX2 and head_dim a multiple of 16 each key row is loaded (and widened)
  * once for every head of the tile; otherwise each head takes the portable dot product. `values` (or NULL): the
  * value rows of the same tokens are asked into L2 as their keys are read, so the value pass finds them there
- * (this loop is waiting on memory anyway: 4-11% faster at 32 sequences of 160 tokens, 3% at one of 2,048). */
+ * (this loop is waiting on memory anyway: 4-11% less time at 32 sequences of 160 tokens, 3-8% at one of 2,048). */
 ALWAYS_INLINE void key_tile(const float *q, const void *keys, const void *values, const int64_t *table, int64_t begin,
                             int64_t end, float *s, int64_t len, int64_t head_dim, int64_t block_size, float scale,
                             int kind, const int heads) {
