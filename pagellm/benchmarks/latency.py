@@ -4,9 +4,9 @@ Every backend runs the same random-token prompts in this process on the same thr
 batch x input_len over the time until every prompt has its first token; decode tok/s is the tokens of the remaining
 steps over their time (pagellm: its decode-only steps, timed one by one; the other backends, which prefill a batch
 in one call: generation of 1 + output_len tokens minus generation of 1). llama.cpp runs through the
-`llama-cpp-python` binding on the GGUF file itself, in a child process of its own (`llama_cpp_peer`; one sequence,
-as `llama-bench`: fixed tokens fed back, no sampling), and at float32 on an F32 GGUF written here with the `gguf`
-package from the same weights.
+`llama-cpp-python` binding on the GGUF file itself, in a child process of its own (`llama_cpp_peer`: at batch 1 as
+`llama-bench`, at batch N as `llama-batched-bench`, a KV stream per sequence; fixed tokens fed back, no sampling),
+and at float32 on an F32 GGUF written here with the `gguf` package from the same weights.
 Each figure is also printed against the machine's own limits, measured here: the memory bandwidth bounds
 decode (every weight byte is read once per step, and every sequence's cached K/V, as that backend stores them: at
 the mean context of the decode steps) and the matmul peak bounds prefill.
@@ -19,6 +19,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--batch-size", type=lambda s: [int(b) for b in s.split(",")], default=[1],
-                        help="comma-separated batch sizes (llama.cpp runs batch 1 only)")
+                        help="comma-separated batch sizes")
     parser.add_argument("--backends", type=lambda s: s.split(","), default=["pagellm"],
                         help=f"comma-separated, from {', '.join(BACKENDS)}")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
@@ -138,17 +139,23 @@ def bench_hf(model, prompts: list[list[int]], output_len: int, repeats: int) -> 
                    kv_bytes_per_token(model.config, model.dtype.itemsize))
 
 
-def bench_llama_cpp(name: str, gguf_path: Path, prompt: list[int], output_len: int, repeats: int,
+def bench_llama_cpp(name: str, gguf_path: Path, prompts: list[list[int]], output_len: int, repeats: int,
                     hf_config) -> LatencyResult:
     import gguf
 
     require_binding()
-    command = [sys.executable, "-m", "pagellm.benchmarks.llama_cpp_peer", str(gguf_path), "--prompt",
-               ",".join(map(str, prompt)), "--output-len", str(output_len), "--repeats", str(repeats),
-               "--threads", str(torch.get_num_threads())]
-    seconds = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    with tempfile.TemporaryDirectory() as tmp:
+        if len(prompts) == 1:
+            given = ["--prompt", ",".join(map(str, prompts[0]))]
+        else:  # too long for a command line
+            given = ["--prompts", str(Path(tmp) / "prompts.json")]
+            Path(given[1]).write_text(json.dumps(prompts))
+        command = [sys.executable, "-m", "pagellm.benchmarks.llama_cpp_peer", str(gguf_path), *given,
+                   "--output-len", str(output_len), "--repeats", str(repeats), "--threads",
+                   str(torch.get_num_threads())]
+        seconds = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
     weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors if len(t.shape) == 2)
-    return _result(name, [prompt], seconds["prefill_seconds"], output_len / seconds["decode_seconds"],
+    return _result(name, prompts, seconds["prefill_seconds"], len(prompts) * output_len / seconds["decode_seconds"],
                    weight_bytes, kv_bytes_per_token(hf_config, LLAMA_CPP_KV_BYTES))
 
 
@@ -231,14 +238,14 @@ def run(args: argparse.Namespace) -> None:
 
             results.append(bench_hf(load_hf_model(model_config.model, model_config.dtype, device), prompts,
                                     args.output_len, args.repeats))
-        if batch == 1 and model_config.gguf_file:
+        if model_config.gguf_file:
             source = Path(model_config.gguf_file)
             if "llama.cpp" in args.backends:
-                results.append(bench_llama_cpp("llama.cpp", source, prompts[0], args.output_len, args.repeats,
+                results.append(bench_llama_cpp("llama.cpp", source, prompts, args.output_len, args.repeats,
                                                model_config.hf_config))
             if "llama.cpp-f32" in args.backends:
                 f32 = f32_gguf(source)
-                results.append(bench_llama_cpp("llama.cpp F32", f32, prompts[0], args.output_len, args.repeats,
+                results.append(bench_llama_cpp("llama.cpp F32", f32, prompts, args.output_len, args.repeats,
                                                model_config.hf_config))
     flops_per_token = model_flops(model_config.hf_config, args.input_len, 1) / args.input_len
     print(f"\n{'backend':>16} {'batch':>5} {'prefill tok/s':>14} {'% of peak':>9} {'decode tok/s':>13} "

@@ -3,8 +3,8 @@ plotted to PNG.
 
 At each concurrency c, c requests of the same prompt and output length run together (`bench latency`'s
 measurement at batch c): total tokens/s is c x (input + output) over the whole run, and the time per output token
-is the decode time over output_len. llama.cpp, through its Python binding, runs one sequence, so it appears at
-c = 1 only.
+is the decode time over output_len. llama.cpp runs its c sequences together (a KV stream each, as
+`llama-batched-bench`).
 """
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def run(args: argparse.Namespace) -> None:
             results.append(bench_pagellm(llm, prompts, args.output_len, args.repeats, step_split=False))
         if hf_model is not None:
             results.append(bench_hf(hf_model, prompts, args.output_len, args.repeats))
-        if "llama.cpp" in args.backends and c == 1 and model_config.gguf_file:
-            results.append(bench_llama_cpp("llama.cpp", Path(model_config.gguf_file), prompts[0], args.output_len,
+        if "llama.cpp" in args.backends and model_config.gguf_file:
+            results.append(bench_llama_cpp("llama.cpp", Path(model_config.gguf_file), prompts, args.output_len,
                                            args.repeats, model_config.hf_config))
         for result in results:
             rows.append(row(result, args.input_len, args.output_len))

@@ -179,6 +179,7 @@ def llama_model_load_from_file(path, params):
 
 def llama_init_from_model(model, params):
     assert params.n_seq_max >= 1 and params.n_ctx > 0
+    DECODED.clear()  # a new context starts every sequence over
     return object()
 
 
@@ -228,9 +229,17 @@ def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
     writer.close()
 
     hf_config = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
-    result = bench_llama_cpp("llama.cpp", model, list(range(100)), output_len=20, repeats=1, hf_config=hf_config)
+    result = bench_llama_cpp("llama.cpp", model, [list(range(100))], output_len=20, repeats=1, hf_config=hf_config)
+    assert result.batch_size == 1
     assert 100 / 0.011 * 0.3 < result.prefill_tok_s <= 100 / 0.011  # one eval of 100 tokens: 11 ms
     assert 20 / (20 * 0.0011) * 0.3 < result.decode_tok_s <= 1 / 0.0011  # one eval per token: 1.1 ms
+    # three sequences together: their 300 prompt tokens in one decode (31 ms), then 20 steps of three (1.3 ms each)
+    batched = bench_llama_cpp("llama.cpp", model, [list(range(100))] * 3, output_len=20, repeats=1,
+                              hf_config=hf_config)
+    assert batched.batch_size == 3
+    assert 300 / 0.031 * 0.3 < batched.prefill_tok_s <= 300 / 0.031
+    assert batched.decode_tok_s <= 3 / 0.0013
+    assert batched.decode_tok_s > 1.5 * result.decode_tok_s  # 2.5x: three tokens a step for 0.2 ms more
     assert result.weight_bytes == 4 * 32 * 4
     assert result.kv_bytes_per_token == 2 * 2 * 2 * 8 * 2  # K and V, 2 layers, 2 KV heads of 8, F16
 
