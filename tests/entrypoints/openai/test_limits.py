@@ -110,7 +110,9 @@ def test_the_event_loop_answers_while_a_huge_prompt_is_tokenized(server):
     assert result["response"].status_code == 200, result["response"].text
     assert result["response"].json()["usage"]["prompt_tokens"] == 8
     assert len(latencies) >= 10  # the tokenization took a while: /health was asked many times meanwhile
-    assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0, latencies
+    # A blocked event loop holds one /health call for the whole tokenization (seconds); the bounds leave room for a
+    # 2-core machine shared with the tokenizer threads and another test process.
+    assert statistics.median(latencies) < 0.25 and max(latencies) < 1.0, latencies
 
 
 def test_an_obviously_too_long_prompt_is_refused_before_it_is_tokenized(server):
