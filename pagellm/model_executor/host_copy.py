@@ -26,7 +26,11 @@ def tensor_on(values, dtype: torch.dtype | None, device: torch.device | str) -> 
 class StagedCopy:
     """A step's integer host arrays sent to the device together: on CUDA gathered into one buffer and sent in a
     single pinned, non-blocking copy, instead of one small transfer each (`send` returns each array as a view of the
-    device buffer, in the order added); on the CPU, where there is nothing to transfer, each array as it is."""
+    device buffer, in the order added); on the CPU, where there is nothing to transfer, each array as it is. In the
+    buffer each array starts a multiple of 16 bytes in: Triton compiles a kernel once per pattern of pointer
+    arguments divisible by 16, so views at step-dependent offsets would compile new variants while serving."""
+
+    ALIGN = 2  # int64 elements: 16 bytes
 
     def __init__(self) -> None:
         self._arrays: list[np.ndarray] = []
@@ -40,6 +44,9 @@ class StagedCopy:
         """The arrays as int64 tensors on `device`; `merge` (default: off the CPU) sends them as one buffer."""
         if not (device.type != "cpu" if merge is None else merge):
             return [torch.from_numpy(array) for array in self._arrays]
-        flat = np.concatenate([array.reshape(-1) for array in self._arrays]) if self._arrays else np.empty(0, np.int64)
-        parts = torch.split(to_device(flat, device), [array.size for array in self._arrays])
-        return [part if array.ndim == 1 else part.view(array.shape) for part, array in zip(parts, self._arrays)]
+        starts = np.cumsum([0] + [-(-array.size // self.ALIGN) * self.ALIGN for array in self._arrays])
+        flat = np.zeros(starts[-1], np.int64)
+        for start, array in zip(starts, self._arrays):
+            flat[start:start + array.size] = array.reshape(-1)
+        merged = to_device(flat, device)
+        return [merged[start:start + array.size].view(array.shape) for start, array in zip(starts, self._arrays)]

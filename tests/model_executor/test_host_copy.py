@@ -25,3 +25,5 @@ def test_arrays_come_back_with_their_shapes_and_values(merge):
     np.testing.assert_array_equal(tensors[handles[1]].numpy(), [[1, 2, 3], [4, 5, 6]])
     assert tensors[handles[2]].tolist() == [7] and tensors[handles[4]].tolist() == [2**40]
     assert all(t.is_contiguous() for t in tensors)
+    if merge:  # every array 16 bytes apart from the buffer's start (Triton specialises on pointers divisible by 16)
+        assert all((t.data_ptr() - tensors[0].data_ptr()) % 16 == 0 for t in tensors if t.numel())
