@@ -36,13 +36,16 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU (bf16 matmuls are slow on most CPUs) and bfloat16 on CUDA."""
+    """'auto' is float32 on CPU (bf16 matmuls are slow on most CPUs) and bfloat16 on CUDA, float16 on GPUs older
+    than compute capability 8.0 (Turing, Volta), which have no bfloat16 arithmetic."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16.")
         return dtype
     if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}.")
     return _DTYPES[dtype]

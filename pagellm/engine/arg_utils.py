@@ -152,7 +152,7 @@ class EngineArgs:
                             help="checkpoint directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
         parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         parser.add_argument("--dtype", default=EngineArgs.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                            help="auto: float32 on CPU, bfloat16 on CUDA")
+                            help="auto: float32 on CPU, bfloat16 on CUDA (float16 below compute capability 8.0)")
         parser.add_argument("--device", default=EngineArgs.device, choices=["auto", "cpu", "cuda"])
         parser.add_argument("--seed", type=int, default=EngineArgs.seed)
         parser.add_argument("--max-model-len", type=int, default=None,

@@ -54,3 +54,16 @@ def test_kv_cache_dtype_resolves_against_the_model_dtype(tiny_model_factory):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, fp8, "
                                          "fp8_e4m3, fp8_e5m2, got 'int4'; fix --kv-cache-dtype"):
         EngineArgs(model=model, kv_cache_dtype="int4").create_engine_config()
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                                  ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_dtype_on_cuda_is_float16_where_the_gpu_has_no_bfloat16(monkeypatch, capability, expected):
+    """vLLM's choice: V100 and T4 (compute capability 7.x) get float16, Ampere and newer bfloat16; the CPU float32.
+    Explicit dtypes are kept."""
+    from pagellm.config import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_dtype("auto", torch.device("cuda")) == expected
+    assert resolve_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
