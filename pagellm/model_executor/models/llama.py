@@ -164,9 +164,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_fused_decoder(self) -> FusedDecoder | None:
         # The C call runs every layer back to back, with no way to sum row-parallel outputs over the ranks; its
-        # attention is the C kernel's, so another decode-attention backend keeps the layers apart.
-        if (not self.use_fused_decoder or self.tp_size > 1 or fused_decoder_kernels.load() is None
-                or attention_backend("cpu", torch.float32) != "c"):
+        # attention is the C kernel's, so another decode-attention backend keeps the layers apart. The device is
+        # checked before the C library is loaded, which compiles it the first time.
+        if (not self.use_fused_decoder or self.tp_size > 1 or self.rotary_emb.cos_cache.device.type != "cpu"
+                or fused_decoder_kernels.load() is None or attention_backend("cpu", torch.float32) != "c"):
             return None
         layers = []
         own_layers = self.own_layers
