@@ -1,24 +1,18 @@
 """RoPE tables: built on the device the model is built on, whatever the RoPE type, and equal to transformers'."""
 import pytest
 import torch
-from conftest import TINY_CONFIGS
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
-def tiny_config(kind: str):
-    fields = dict(TINY_CONFIGS[kind], vocab_size=256, max_position_embeddings=1024)
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
-
-
 @pytest.mark.parametrize("kind", ["llama", "llama3"])
-def test_tables_follow_the_device_the_model_is_built_on(kind):
+def test_tables_follow_the_device_the_model_is_built_on(tiny_model_factory, kind):
     """The loader builds the model under `torch.device(device)`; transformers' scaled-RoPE initialisers return CPU
     tensors, which once met a position range made on that device (a CUDA/CPU mix). The meta device stands in for
     CUDA here: it fails the same way on a mix."""
-    config = tiny_config(kind)
+    config = AutoConfig.from_pretrained(tiny_model_factory(kind))
     with torch.device("meta"):
         rope = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads, 1024)
     assert rope.cos_cache.device.type == rope.sin_cache.device.type == "meta"
@@ -26,8 +20,8 @@ def test_tables_follow_the_device_the_model_is_built_on(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3"])
-def test_tables_equal_transformers(kind):
-    config = tiny_config(kind)
+def test_tables_equal_transformers(tiny_model_factory, kind):
+    config = AutoConfig.from_pretrained(tiny_model_factory(kind))
     head_dim = config.hidden_size // config.num_attention_heads
     rope = RotaryEmbedding(config, head_dim, 1024)
     positions = torch.arange(1024)
