@@ -26,14 +26,13 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(hf_config)
     rope_type = params["rope_type"]
     if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}.")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    with torch.device("cpu"):  # the initialisers create tensors on the default device: keep them off the model's
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 
 
@@ -42,15 +41,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
         super().__init__()
-        # Computed on the CPU (transformers' initialisers return CPU tensors), then moved to the device the model
-        # is being built on (the loader's `torch.device` context), so that every device gets the same tables.
-        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
-        freqs = torch.arange(max_position, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        # Computed on the CPU, then moved to the device the model is being built on (the loader's `torch.device`
+        # context): transformers' initialisers return CPU tensors, and every device gets the same tables.
         device = torch.get_default_device()
-        # Full-width rows, sine signed for rotate-half: x * cos + rotate_half(x) * sin is one cat and two products.
-        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1).to(device), persistent=False)
-        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1).to(device), persistent=False)
+        with torch.device("cpu"):
+            inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
+            freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+            # Full-width rows, sine signed for rotate-half: x * cos + rotate_half(x) * sin is one cat and two
+            # products.
+            cos_cache, sin_cache = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        self.register_buffer("cos_cache", cos_cache.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin_cache.to(device), persistent=False)
 
     def tables(self, positions: torch.Tensor,
                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
