@@ -213,6 +213,13 @@ class ParallelConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    # JSON schemas' objects admit only the properties they name unless the schema says otherwise (vLLM's
+    # xgrammar default; a request's own `disable_additional_properties` overrides it). See structured_output/.
+    disable_additional_properties: bool = True
+
+
+@dataclass
 class DeviceConfig:
     device: torch.device
 
@@ -224,3 +231,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -1,5 +1,6 @@
 """The errors pagellm raises to its callers, offline and serving: bad input (a 400 over HTTP), a full queue (503),
-a stopped engine (503), and a request that failed inside the engine (500). Anything else is a bug (500)."""
+a stopped engine (503), and a request that failed inside the engine (500; 400 when the request itself was at
+fault, such as a grammar that met a resource limit mid-generation). Anything else is a bug (500)."""
 from __future__ import annotations
 
 
@@ -26,3 +27,17 @@ class RequestFailedError(RuntimeError):
         self.outputs = outputs or []
         details = "; ".join(f"{request_id}: {error}" for request_id, error in errors.items())
         super().__init__(f"{len(errors)} request(s) failed inside the engine ({details}); see the log.")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why a request failed inside the engine, as the engine reports it (a string: it crosses processes)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def request_failure(request_id: str, reason: str) -> Exception:
+    """The exception a failed request's caller gets: the InvalidRequestError the engine met when the request itself
+    was at fault (see `failure_reason`), otherwise RequestFailedError."""
+    prefix = f"{InvalidRequestError.__name__}: "
+    if reason.startswith(prefix):
+        return InvalidRequestError(reason[len(prefix):])
+    return RequestFailedError({request_id: reason})

@@ -23,7 +23,9 @@ class StructuredOutputsParams:
     """A constraint on the generated text (vLLM's names): exactly one of `json` (a JSON schema, as a dict or its
     text), `regex`, `choice` (the output is one of these strings), `grammar` (Lark or GBNF/EBNF) and
     `json_object=True` (any JSON object). `disable_any_whitespace` makes JSON compact (no free whitespace between
-    tokens), which also keeps weak models from emitting whitespace forever."""
+    tokens), which also keeps weak models from emitting whitespace forever. `disable_additional_properties`: a
+    schema's objects admit only the properties they name (unless the schema says otherwise); None takes the
+    engine's default (on; `--no-structured-outputs-disable-additional-properties` turns it off)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -31,6 +33,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")

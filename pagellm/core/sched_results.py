@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.exceptions import failure_reason
 from pagellm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ def apply_results(scheduler: Scheduler, output: SchedulerOutput, sampled: dict[s
             updated += _update_request(scheduler, request, scheduled, sampled, logprobs, prompt_logprobs)
         except Exception as exc:
             logger.exception("Updating request %s failed; it fails alone.", request.request_id)
-            errors[request.group_id] = f"{type(exc).__name__}: {exc}"
+            errors[request.group_id] = failure_reason(exc)
             continue
         if request.beam_group is not None and request.beam_group.ready:
             ready_groups[request.group_id] = request.beam_group
@@ -51,7 +52,7 @@ def apply_results(scheduler: Scheduler, output: SchedulerOutput, sampled: dict[s
                 finished_groups.append(group)
         except Exception as exc:
             logger.exception("Advancing beam search %s failed; it fails alone.", group_id)
-            errors[group_id] = f"{type(exc).__name__}: {exc}"
+            errors[group_id] = failure_reason(exc)
     return updated, finished_groups
 
 
@@ -80,11 +81,10 @@ def _update_request(scheduler: Scheduler, request: Request, scheduled: Scheduled
         if entry is not None:
             sequence.logprobs.append(entry)
             sequence.cumulative_logprob += entry[1][0]
-        sequence.append_output_token(token)
         structured = sequence.structured_output_request
-        if structured is not None and not structured.grammar.accept_tokens([token]):
-            raise RuntimeError(f"Sampled token {token} is not allowed by the request's structured output "
-                               f"grammar.")
+        if structured is not None:
+            structured.grammar.accept_tokens([token])  # raises, failing the request, before the token is kept
+        sequence.append_output_token(token)
         status = check_stop(sequence, scheduler.config.max_model_len)
         if status is not None:
             scheduler.running.remove(sequence)

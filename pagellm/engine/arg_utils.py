@@ -20,6 +20,7 @@ from pagellm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     resolve_device,
     resolve_dtype,
 )
@@ -63,6 +64,7 @@ class EngineArgs:
     pipeline_overlap: bool | None = None
     # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/async_scheduling.py).
     async_scheduling: bool = False
+    structured_outputs_disable_additional_properties: bool = StructuredOutputsConfig.disable_additional_properties
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -114,6 +116,7 @@ class EngineArgs:
                                              self.async_scheduling),
             device_config=DeviceConfig(device),
             parallel_config=parallel_config,
+            structured_outputs_config=StructuredOutputsConfig(self.structured_outputs_disable_additional_properties),
         )
 
     def _quantization(self, device: torch.device, dtype: torch.dtype, gguf_file: Path | None) -> str:
@@ -184,6 +187,12 @@ class EngineArgs:
         parser.add_argument("--async-scheduling", action="store_true", default=EngineArgs.async_scheduling,
                             help="schedule and prepare the next batch while the current one runs, so a GPU never "
                                  "waits for the CPU (one rank in this process)")
+        parser.add_argument("--structured-outputs-disable-additional-properties",
+                            action=argparse.BooleanOptionalAction,
+                            default=EngineArgs.structured_outputs_disable_additional_properties,
+                            help="JSON schemas' objects admit only the properties they name unless the schema sets "
+                                 "additionalProperties (a request's structured_outputs.disable_additional_properties "
+                                 "overrides it)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.enable_prefix_caching,
                             help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "

@@ -23,7 +23,7 @@ from pagellm.engine.core_output import CoreUpdate, EngineCoreOutput
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import OutputProcessor
-from pagellm.exceptions import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagellm.exceptions import EngineDeadError, InvalidRequestError, request_failure
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger
 from pagellm.metrics.stats import (IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase,
@@ -97,6 +97,9 @@ class AsyncLLM:
         if self._stopped_reason is not None:
             raise EngineDeadError(self._stopped_reason)
         arrival = time.monotonic()
+        if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
+            await asyncio.to_thread(self.input_processor.validate_structured_outputs,
+                                    sampling_params.structured_outputs)
         request = self.input_processor.process(request_id, prompt, sampling_params, priority)
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
@@ -200,7 +203,8 @@ class AsyncLLM:
                               failed: dict[str, str]) -> None:
         """On the event loop: detokenize one engine pass's outputs, report stop-string finishes to the engine,
         timestamp and queue each request's RequestOutput, then record their stats. Requests that failed (in the
-        core, or here while building their output) end with RequestFailedError."""
+        core, or here while building their output) end with RequestFailedError, or InvalidRequestError when the
+        request itself was at fault."""
         processed = self.output_processor.process_outputs(outputs, delta=True)
         if processed.stopped:
             self.client.finish_stopped(engine_index, processed.stopped)
@@ -211,7 +215,7 @@ class AsyncLLM:
             stream = self._streams.get(request_id)
             if stream is not None:
                 self._drop(request_id)
-                stream.queue.put_nowait(RequestFailedError({request_id: error}))
+                stream.queue.put_nowait(request_failure(request_id, error))
                 failures.finished_requests.append(stream.stats.finished("error", time.monotonic()))
         if failures.finished_requests:
             self._record(failures)

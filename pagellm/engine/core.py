@@ -39,7 +39,8 @@ class EngineCore:
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks)
-        self.structured_output_manager = StructuredOutputManager(config.model_config)
+        self.structured_output_manager = StructuredOutputManager(config.model_config,
+                                                                 config.structured_outputs_config)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output_manager)
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()

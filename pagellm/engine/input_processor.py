@@ -11,7 +11,7 @@ from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
-from pagellm.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import LazyBackend
 
@@ -30,8 +30,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         # Validates constraints against this tokenizer before queueing (special tokens a grammar names included).
-        self.grammar_backend = LazyBackend(lambda: GuidanceBackend(tokenizer, self.model_config.vocab_size,
-                                                                   eos_token_ids))
+        self.grammar_backend = LazyBackend(lambda: GuidanceBackend(
+            tokenizer, self.model_config.vocab_size, eos_token_ids,
+            config.structured_outputs_config.disable_additional_properties))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -141,12 +142,18 @@ class InputProcessor:
             if value is not None and value > max_logprobs:
                 raise InvalidRequestError(f"{name} must be at most {max_logprobs} (--max-logprobs), got {value}.")
         if params.structured_outputs is not None:
-            self.grammar_backend.get().validate(params.structured_outputs)
+            self.validate_structured_outputs(params.structured_outputs)
         bad_words_token_ids = self.tokenize_bad_words(params.bad_words or [])
         for ids in bad_words_token_ids:
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab}): {ids}.")
         return bad_words_token_ids
+
+    def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile and probe a constraint (see structured_output/backend_guidance.py): a grammar too large for its
+        limits can take a second, so a server calls this off its event loop before `process`, which then finds it
+        validated."""
+        self.grammar_backend.get().validate(params)
 
     def tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
         """As vLLM: each word without and with a leading space (the latter only when the space gives a different

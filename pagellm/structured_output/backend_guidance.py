@@ -1,9 +1,18 @@
 """The llguidance backend (PyPI `llguidance`: a Rust Earley parser with a lazily built token lexer; it releases the
 GIL while compiling and computing masks). JSON schemas, regexes, choices, Lark and GBNF grammars all become
-llguidance grammars; an `LLMatcher` is one sequence's state."""
+llguidance grammars; an `LLMatcher` is one sequence's state.
+
+Every grammar runs under GRAMMAR_LIMITS. llguidance meets a limit while it builds a lexer state or a parser row,
+which may be only when a token its own mask allowed is consumed; the matcher then enters an error state for good
+(and its masks allow only end-of-sequence). So a constraint is probed before it is queued (compiled, its first
+mask computed and a few allowed tokens consumed, see `validate`), and a limit met later fails that request alone
+with an InvalidRequestError naming it (see `GuidanceGrammar.accept_tokens`), never with a token the grammar does
+not allow."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
@@ -11,68 +20,153 @@ import numpy as np
 
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
+                                                     grammar_cache_key)
+from pagellm.structured_output.json_schema import close_objects
 
 _ANY_OBJECT = {"type": "object"}
+# llguidance's resource limits, set here so that they are pagellm's documented bounds (README, Structured outputs).
+GRAMMAR_LIMITS = {
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+    "max_items_in_row": 2_000,  # Earley items one parser row may hold (alternatives open at one position)
+    "step_max_items": 50_000,  # Earley items one token's mask may build (~2.5 ms)
+    "initial_lexer_fuel": 1_000_000,  # work to build the lexer's first regex states (~20 ms)
+    "step_lexer_fuel": 200_000,  # lexer work one token's mask may do (~15 ms)
+    "max_lexer_states": 250_000,  # lexer states one grammar may build (1-2 kB each)
+}
+LIMITS_HINT = ("pagellm's grammar limits: at most 500,000 grammar symbols, 2,000 alternatives open at one position, "
+               "50,000 parser items and 200,000 units of lexer work per token, 250,000 lexer states; simplify the "
+               "constraint (fewer alternatives, smaller repetition counts)")
+# Tokens a constraint is advanced over before it is queued: enough to reach the limits that the first tokens of
+# an oversized constraint meet (a huge repetition count, thousands of alternatives), cheap for every other one.
+PROBE_TOKENS = 4
+_VALIDATED_CACHE_SIZE = 256
 
 
-def grammar_spec(params: StructuredOutputsParams) -> str:
+def _limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)
+
+
+def grammar_spec(params: StructuredOutputsParams, disable_additional_properties: bool) -> str:
     """The constraint as an llguidance grammar definition. Raises InvalidRequestError for a grammar that does not
-    even convert (GBNF with an unknown rule, say)."""
+    even convert (GBNF with an unknown rule, say). `disable_additional_properties`: the engine's default for a
+    schema's objects (see json_schema.py), unless the request sets its own."""
     kind = params.kind
-    if kind in ("json", "json_object"):
-        schema = params.json if kind == "json" else _ANY_OBJECT
+    if kind == "json":
+        schema = params.json
+        strict = params.disable_additional_properties
+        if strict if strict is not None else disable_additional_properties:
+            schema = close_objects(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_flexible": not params.disable_any_whitespace})
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            _ANY_OBJECT, defaults={"whitespace_flexible": not params.disable_any_whitespace})
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+        # One lexeme (a terminal), not one parser alternative per choice: thousands of choices stay a single
+        # regex for the lexer instead of thousands of Earley items in a row.
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in params.choice))
     try:
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise InvalidRequestError(f"structured_outputs.grammar is invalid: {exc}") from None
 
 
+def _error(matcher: llguidance.LLMatcher) -> str:
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
+
+
+def _token_allowed(mask_row: np.ndarray, token: int) -> bool:
+    return 0 <= token < 32 * len(mask_row) and (int(mask_row[token >> 5]) >> (token & 31)) & 1 == 1
+
+
 class GuidanceGrammar(StructuredOutputGrammar):
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "kind", "mask")
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str) -> None:
         self.matcher = matcher
+        self.kind = kind
+        self.mask: np.ndarray | None = None  # the last row filled: what the next sampled token was drawn under
 
-    def accept_tokens(self, tokens: list[int]) -> bool:
-        return self.matcher.consume_tokens(tokens)
+    def accept_tokens(self, tokens: list[int]) -> None:
+        mask, self.mask = self.mask, None
+        if mask is not None and not _token_allowed(mask, tokens[0]):
+            raise RuntimeError(f"Sampled token {tokens[0]} is outside the grammar bitmask it was sampled under.")
+        if not self.matcher.consume_tokens(tokens):
+            if mask is None:
+                raise RuntimeError(f"Tokens {tokens} are not allowed by the grammar: {_error(self.matcher)}")
+            # The mask allowed the token (checked above), so the matcher met one of its limits advancing over it.
+            raise InvalidRequestError(
+                f"structured_outputs.{self.kind} exceeded a grammar limit during generation "
+                f"({_error(self.matcher)}); {LIMITS_HINT}.")
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         words = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        self.mask = words
 
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
     def fork(self) -> GuidanceGrammar:
-        return GuidanceGrammar(self.matcher.deep_copy())
+        fork = GuidanceGrammar(self.matcher.deep_copy(), self.kind)
+        fork.mask = self.mask  # the sequences of one request sample their first tokens under the same mask
+        return fork
 
 
 class GuidanceBackend(StructuredOutputBackend):
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
+                 disable_additional_properties: bool) -> None:
         # ~0.3 s for a 50k vocabulary: built on first use (see manager.LazyBackend).
         self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                          eos_token=sorted(eos_token_ids) or None)
+        self.vocab_size = vocab_size
+        self.disable_additional_properties = disable_additional_properties
+        self._validated: OrderedDict[str, None] = OrderedDict()  # cache keys of constraints that passed
+        self._validated_lock = threading.Lock()
 
     def validate(self, params: StructuredOutputsParams) -> None:
+        key = grammar_cache_key(params)
+        with self._validated_lock:
+            if key in self._validated:
+                self._validated.move_to_end(key)
+                return
+        spec = grammar_spec(params, self.disable_additional_properties)
         try:
-            error = llguidance.LLMatcher.validate_grammar(grammar_spec(params), self.ll_tokenizer)
-        except InvalidRequestError:
-            raise
+            error = llguidance.LLMatcher.validate_grammar(spec, self.ll_tokenizer, limits=_limits())
         except (ValueError, TypeError) as exc:  # e.g. a JSON schema that is `true` rather than an object
             error = str(exc)
         if error:
             raise InvalidRequestError(f"structured_outputs.{params.kind} cannot be compiled: {error.strip()}")
+        self._probe(params.kind, self._matcher(params.kind, spec))
+        with self._validated_lock:
+            self._validated[key] = None
+            if len(self._validated) > _VALIDATED_CACHE_SIZE:
+                self._validated.popitem(last=False)
+
+    def _probe(self, kind: str, matcher: llguidance.LLMatcher) -> None:
+        """Advance a fresh matcher over up to PROBE_TOKENS allowed tokens (the highest id each time: the longest
+        merges, which reach a repetition's limits first); raise InvalidRequestError naming a limit met."""
+        for _ in range(PROBE_TOKENS):
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+            if matcher.is_error() or matcher.is_stopped():
+                break
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
+            if len(allowed) == 0 or not matcher.consume_token(int(allowed[-1])):
+                break
+        if matcher.is_error():
+            raise InvalidRequestError(f"structured_outputs.{kind} exceeds a grammar limit ({_error(matcher)}); "
+                                      f"{LIMITS_HINT}.")
+
+    def _matcher(self, kind: str, spec: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, spec, log_level=0, limits=_limits())
+        if matcher.is_error():  # errors that need the tokenizer (special tokens named in a grammar)
+            raise InvalidRequestError(f"structured_outputs.{kind} cannot be compiled: {_error(matcher)}")
+        return matcher
 
     def compile_grammar(self, params: StructuredOutputsParams) -> GuidanceGrammar:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar_spec(params), log_level=0)
-        if matcher.is_error():  # errors that need the tokenizer (special tokens named in a grammar)
-            raise InvalidRequestError(f"structured_outputs.{params.kind} cannot be compiled: "
-                                      f"{matcher.get_error().strip()}")
-        return GuidanceGrammar(matcher)
+        return GuidanceGrammar(self._matcher(params.kind, grammar_spec(params, self.disable_additional_properties)),
+                               params.kind)

@@ -17,17 +17,25 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def grammar_cache_key(params: StructuredOutputsParams) -> str:
+    """What makes two constraints compile to the same grammar (in one engine, whose defaults are fixed)."""
+    return (f"{params.kind}:{int(params.disable_any_whitespace)}:{params.disable_additional_properties}:"
+            f"{params.spec}")
+
+
 class StructuredOutputGrammar(ABC):
     """One sequence's position in its grammar."""
 
     @abstractmethod
-    def accept_tokens(self, tokens: list[int]) -> bool:
-        """Advance over sampled tokens; False (the grammar unchanged past the first bad token) if one is not
-        allowed."""
+    def accept_tokens(self, tokens: list[int]) -> None:
+        """Advance over sampled tokens. Raises RuntimeError if the first was not allowed by the last bitmask
+        filled (an engine bug: the mask was not in force) or, with no bitmask filled, if the grammar does not allow
+        them; raises InvalidRequestError naming the limit if the grammar met a resource limit advancing."""
 
     @abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the tokens allowed next into `bitmask[row]` (int32 words, see the module docstring)."""
+        """Write the tokens allowed next into `bitmask[row]` (int32 words, see the module docstring); the next
+        `accept_tokens` checks its token against that row."""
 
     @abstractmethod
     def is_terminated(self) -> bool:
@@ -44,8 +52,9 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise InvalidRequestError with the library's message if the constraint cannot be compiled for this
-        tokenizer (special tokens and token ids a grammar names included). Cheap, so it runs before a request is
-        queued."""
+        tokenizer (special tokens and token ids a grammar names included) or meets a resource limit on its first
+        tokens. Runs before a request is queued (off the event loop when serving); a constraint that passed is
+        remembered, so asking again is free."""
 
     @abstractmethod
     def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:

@@ -18,10 +18,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from pagellm.config import ModelConfig
+from pagellm.config import ModelConfig, StructuredOutputsConfig
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
-from pagellm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar, bitmask_words
+from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar, bitmask_words,
+                                                     grammar_cache_key)
 from pagellm.structured_output.request import StructuredOutputRequest
 from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -49,8 +50,9 @@ class LazyBackend:
 
 
 class StructuredOutputManager:
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, config: StructuredOutputsConfig) -> None:
         self.model_config = model_config
+        self.config = config
         self.vocab_size = model_config.vocab_size
         self._executor = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="pagellm-grammar")
         self._bitmask_executor = ThreadPoolExecutor(NUM_BITMASK_THREADS, thread_name_prefix="pagellm-bitmask")
@@ -60,7 +62,8 @@ class StructuredOutputManager:
     def _build_backend(self) -> GuidanceBackend:
         config = self.model_config
         tokenizer = get_tokenizer(config.tokenizer)
-        return GuidanceBackend(tokenizer, self.vocab_size, get_eos_token_ids(config.model, config.hf_config, tokenizer))
+        return GuidanceBackend(tokenizer, self.vocab_size, get_eos_token_ids(config.model, config.hf_config, tokenizer),
+                               self.config.disable_additional_properties)
 
     def _compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         return self._backend.get().compile_grammar(params)
@@ -68,7 +71,7 @@ class StructuredOutputManager:
     def grammar_init(self, request: StructuredOutputRequest) -> None:
         """Start compiling the request's grammar (or share the cached compilation of the same text)."""
         params = request.params
-        key = f"{params.kind}:{int(params.disable_any_whitespace)}:{params.spec}"
+        key = grammar_cache_key(params)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._cache[key] = self._executor.submit(self._compile, params)

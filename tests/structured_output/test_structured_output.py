@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.config import SchedulerConfig
+from pagellm.config import SchedulerConfig, StructuredOutputsConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import GrammarOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.exceptions import InvalidRequestError
 from pagellm.model_executor.layers.logits_processors import mask_disallowed, unpack_disallowed
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
+from pagellm.structured_output.json_schema import close_objects
 from pagellm.structured_output.manager import LazyBackend, StructuredOutputManager
 from pagellm.worker.input_batch import InputBatch, attach_grammar_bitmask
 
@@ -37,7 +39,7 @@ def tokenizer(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def backend(tokenizer):
-    return GuidanceBackend(tokenizer, VOCAB, frozenset({EOS}))
+    return GuidanceBackend(tokenizer, VOCAB, frozenset({EOS}), disable_additional_properties=True)
 
 
 def allowed_ids(bitmask_row: np.ndarray) -> set[int]:
@@ -54,20 +56,98 @@ def test_choice_bitmask_is_every_token_that_can_start_a_choice(backend, tokenize
     expected = {t for t, text in texts.items() if text and any(c.startswith(text) for c in CHOICES)}
     assert allowed_ids(bitmask[1]) == expected
     # Walk "no" to its end: then only EOS may follow, and the grammar has terminated.
-    assert grammar.accept_tokens(tokenizer.encode("no"))
+    grammar.accept_tokens(tokenizer.encode("no"))
     assert grammar.is_terminated()
     grammar.fill_bitmask(bitmask, 0)
     assert allowed_ids(bitmask[0]) == {EOS}
-    assert not grammar.accept_tokens(tokenizer.encode("x"))
+    with pytest.raises(RuntimeError, match="outside the grammar bitmask"):
+        grammar.accept_tokens(tokenizer.encode("x"))
 
 
 def test_fork_is_independent(backend, tokenizer):
     grammar = backend.compile_grammar(StructuredOutputsParams(regex="(ab|cd)e"))
     fork = grammar.fork()
-    assert grammar.accept_tokens(tokenizer.encode("ab"))
-    assert fork.accept_tokens(tokenizer.encode("cd"))
-    assert grammar.accept_tokens(tokenizer.encode("e")) and grammar.is_terminated()
+    grammar.accept_tokens(tokenizer.encode("ab"))
+    fork.accept_tokens(tokenizer.encode("cd"))
+    grammar.accept_tokens(tokenizer.encode("e"))
+    assert grammar.is_terminated()
     assert not fork.is_terminated()
+
+
+def walk(grammar, tokens: list[int]) -> None:
+    """Sample `tokens` one at a time as the engine does: a bitmask filled before each, then the token accepted."""
+    bitmask = np.zeros((1, VOCAB // 32), dtype=np.int32)
+    for token in tokens:
+        grammar.fill_bitmask(bitmask, 0)
+        grammar.accept_tokens([token])
+
+
+def test_close_objects_closes_exactly_the_objects_that_name_their_properties():
+    item = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": item},
+                       # A property called "properties" is a property, not a keyword.
+                       "properties": {"type": "object", "properties": {"a": {}}},
+                       "open": {"type": "object", "properties": {"b": {}}, "additionalProperties": True},
+                       "any": {"type": "object"}},
+        "$defs": {"d": {"properties": {"c": {}}}},
+        "anyOf": [{"properties": {"e": {}}}],
+        "allOf": [{"properties": {"f": {}}}],  # a part of the object: the other parts name the rest
+    }
+    closed = close_objects(schema)
+    assert "additionalProperties" not in schema["properties"]["items"]["items"]  # the input is not changed
+    props = closed["properties"]
+    assert "additionalProperties" not in closed  # it has anyOf / allOf beside its properties
+    assert props["items"]["items"]["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["properties"]["properties"]
+    assert props["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in props["any"]
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["allOf"][0]
+
+
+@pytest.mark.parametrize("strict", [None, True, False])
+def test_json_objects_admit_unnamed_keys_only_when_asked(backend, tokenizer, strict):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    grammar = backend.compile_grammar(StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                                              disable_additional_properties=strict))
+    extra = tokenizer.encode('{"city":"Lyon","unit":"c"}')
+    if strict is False:
+        walk(grammar, extra)
+    else:  # None: the backend's default (on)
+        with pytest.raises(RuntimeError, match="outside the grammar bitmask"):
+            walk(grammar, extra)
+
+
+def test_a_constraint_too_large_for_its_limits_is_refused_before_queueing(backend):
+    with pytest.raises(InvalidRequestError, match="structured_outputs.regex exceeds a grammar limit.*simplify"):
+        backend.validate(StructuredOutputsParams(regex="a{1000000}"))
+
+
+def test_thousands_of_choices_are_one_lexeme(backend, tokenizer):
+    """5,000 choices would be 5,000 Earley items in one row as parser alternatives (over the 2,000 limit)."""
+    rng = np.random.default_rng(0)
+    choices = sorted({"".join(rng.choice(list("abcdefgh "), size=rng.integers(3, 12))) for _ in range(5000)})
+    params = StructuredOutputsParams(choice=choices)
+    backend.validate(params)
+    target = choices[1234]
+    grammar = backend.compile_grammar(params)
+    walk(grammar, tokenizer.encode(target))
+    assert grammar.is_terminated()
+
+
+def test_a_limit_met_mid_generation_is_the_requests_error(backend, tokenizer):
+    """The probe passes (its first tokens are digits), the lexer's limit is met at the first 'z': the token was
+    allowed by the mask, so the error names the limit instead of calling the token forbidden."""
+    params = StructuredOutputsParams(regex="[0-9]{30}z{1000000}")
+    backend.validate(params)
+    grammar = backend.compile_grammar(params)
+    walk(grammar, tokenizer.encode("0" * 30))
+    with pytest.raises(InvalidRequestError, match="exceeded a grammar limit during generation"):
+        walk(grammar, tokenizer.encode("zzzz"))
 
 
 def test_unpack_and_mask_match_a_per_bit_reference():
@@ -89,7 +169,7 @@ class SlowManager(StructuredOutputManager):
     """Compiles only once `release` is set, so the test sees a request waiting for its grammar."""
 
     def __init__(self, model_config, backend) -> None:
-        super().__init__(model_config)
+        super().__init__(model_config, StructuredOutputsConfig())
         self._backend = LazyBackend(lambda: backend)
         self.release = threading.Event()
 
@@ -158,7 +238,7 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(backend):
         def _compile(self, params):
             raise ValueError("no such grammar")
 
-    manager = FailingManager(_ModelConfig())
+    manager = FailingManager(_ModelConfig(), StructuredOutputsConfig())
     config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
     sched = Scheduler(config, KVCacheManager(64, 4, enable_prefix_caching=False), manager)
     request = make_request("c", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))

@@ -29,6 +29,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool | None = None
 
     model_config = ConfigDict(populate_by_name=True)
 
@@ -36,7 +37,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
         """Raises InvalidRequestError when not exactly one constraint is set."""
         return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
                                        json_object=self.json_object,
-                                       disable_any_whitespace=self.disable_any_whitespace)
+                                       disable_any_whitespace=self.disable_any_whitespace,
+                                       disable_additional_properties=self.disable_additional_properties)
 
 
 class JsonSchemaResponseFormat(OpenAIBaseModel):
