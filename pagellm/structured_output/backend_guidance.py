@@ -7,7 +7,12 @@ which may be only when a token its own mask allowed is consumed; the matcher the
 (and its masks allow only end-of-sequence). So a constraint is probed before it is queued (compiled, its first
 mask computed and a few allowed tokens consumed, see `validate`), and a limit met later fails that request alone
 with an InvalidRequestError naming it (see `GuidanceGrammar.accept_tokens`), never with a token the grammar does
-not allow."""
+not allow.
+
+llguidance's masks can also allow a token that is only part of a multi-byte UTF-8 character (a byte token such as
+0x9F) where the grammar needs another byte (seen with llguidance 1.9 on choices and strings with 4-byte characters):
+consuming it then fails. Such tokens are few (313 of SmolLM2's 49,152), so each one a mask allows is checked
+against the matcher before the mask is used (~0.5 us each)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +25,7 @@ import numpy as np
 
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
+from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar, bitmask_words,
                                                      grammar_cache_key)
 from pagellm.structured_output.json_schema import close_objects
 
@@ -83,22 +88,51 @@ def _token_allowed(mask_row: np.ndarray, token: int) -> bool:
     return 0 <= token < 32 * len(mask_row) and (int(mask_row[token >> 5]) >> (token & 31)) & 1 == 1
 
 
-class GuidanceGrammar(StructuredOutputGrammar):
-    __slots__ = ("matcher", "kind", "mask")
+def _partial_utf8_tokens(ll_tokenizer: llguidance.LLTokenizer, vocab_size: int) -> np.ndarray:
+    """A packed bitmask row of the tokens whose bytes are not whole UTF-8 characters."""
+    row = np.zeros(bitmask_words(vocab_size), dtype=np.int32)
+    bits = row.view(np.uint32)
+    for token in range(vocab_size):
+        try:
+            ll_tokenizer.decode_bytes([token]).decode("utf-8")
+        except UnicodeDecodeError:
+            bits[token >> 5] |= np.uint32(1 << (token & 31))
+    return row
 
-    def __init__(self, matcher: llguidance.LLMatcher, kind: str) -> None:
+
+class _Compilation:
+    """What the copies of one compiled grammar share: llguidance's lexer, whose state budget they all draw on."""
+    __slots__ = ("limit_reached",)
+
+    def __init__(self) -> None:
+        self.limit_reached = False
+
+
+class GuidanceGrammar(StructuredOutputGrammar):
+    __slots__ = ("matcher", "kind", "partial_tokens", "compilation", "mask", "dead_end")
+
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str, partial_tokens: np.ndarray,
+                 compilation: _Compilation) -> None:
         self.matcher = matcher
         self.kind = kind
+        self.partial_tokens = partial_tokens  # see `_partial_utf8_tokens` and the module docstring
+        self.compilation = compilation
         self.mask: np.ndarray | None = None  # the last row filled: what the next sampled token was drawn under
+        self.dead_end = False  # the last row filled allows no token
 
     def accept_tokens(self, tokens: list[int]) -> None:
         mask, self.mask = self.mask, None
+        if self.dead_end:
+            raise InvalidRequestError(f"structured_outputs.{self.kind} cannot be continued: no token of this model "
+                                      f"spells what the grammar requires next.")
         if mask is not None and not _token_allowed(mask, tokens[0]):
             raise RuntimeError(f"Sampled token {tokens[0]} is outside the grammar bitmask it was sampled under.")
         if not self.matcher.consume_tokens(tokens):
-            if mask is None:
-                raise RuntimeError(f"Tokens {tokens} are not allowed by the grammar: {_error(self.matcher)}")
+            error = _error(self.matcher)
+            if mask is None or "doesn't satisfy the grammar" in error:
+                raise RuntimeError(f"Tokens {tokens} are not allowed by the grammar: {error}")
             # The mask allowed the token (checked above), so the matcher met one of its limits advancing over it.
+            self.compilation.limit_reached = True
             raise InvalidRequestError(
                 f"structured_outputs.{self.kind} exceeded a grammar limit during generation "
                 f"({_error(self.matcher)}); {LIMITS_HINT}.")
@@ -106,14 +140,25 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         words = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        partial = words & self.partial_tokens
+        if partial.any():
+            bits = words.view(np.uint32)
+            for token in np.flatnonzero(np.unpackbits(partial.view(np.uint8), bitorder="little")):
+                if self.matcher.validate_tokens([int(token)]) == 0:
+                    bits[token >> 5] &= ~np.uint32(1 << (token & 31))
         self.mask = words
+        self.dead_end = not words.any()
 
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
+    @property
+    def limit_reached(self) -> bool:
+        return self.compilation.limit_reached
+
     def fork(self) -> GuidanceGrammar:
-        fork = GuidanceGrammar(self.matcher.deep_copy(), self.kind)
-        fork.mask = self.mask  # the sequences of one request sample their first tokens under the same mask
+        fork = GuidanceGrammar(self.matcher.deep_copy(), self.kind, self.partial_tokens, self.compilation)
+        fork.mask, fork.dead_end = self.mask, self.dead_end  # a request's sequences sample their first tokens together
         return fork
 
 
@@ -124,6 +169,7 @@ class GuidanceBackend(StructuredOutputBackend):
         self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                          eos_token=sorted(eos_token_ids) or None)
         self.vocab_size = vocab_size
+        self.partial_tokens = _partial_utf8_tokens(self.ll_tokenizer, vocab_size)
         self.disable_additional_properties = disable_additional_properties
         self._validated: OrderedDict[str, None] = OrderedDict()  # cache keys of constraints that passed
         self._validated_lock = threading.Lock()
@@ -148,14 +194,16 @@ class GuidanceBackend(StructuredOutputBackend):
                 self._validated.popitem(last=False)
 
     def _probe(self, kind: str, matcher: llguidance.LLMatcher) -> None:
-        """Advance a fresh matcher over up to PROBE_TOKENS allowed tokens (the highest id each time: the longest
-        merges, which reach a repetition's limits first); raise InvalidRequestError naming a limit met."""
+        """Advance a fresh matcher over up to PROBE_TOKENS allowed tokens (the highest id that the matcher confirms
+        each time: the longest merges, which reach a repetition's limits first); raise InvalidRequestError naming a
+        limit met."""
         for _ in range(PROBE_TOKENS):
             mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
             if matcher.is_error() or matcher.is_stopped():
                 break
             allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:self.vocab_size])
-            if len(allowed) == 0 or not matcher.consume_token(int(allowed[-1])):
+            token = next((int(t) for t in allowed[::-1] if matcher.validate_tokens([int(t)]) == 1), None)
+            if token is None or not matcher.consume_token(token):
                 break
         if matcher.is_error():
             raise InvalidRequestError(f"structured_outputs.{kind} exceeds a grammar limit ({_error(matcher)}); "
@@ -169,4 +217,4 @@ class GuidanceBackend(StructuredOutputBackend):
 
     def compile_grammar(self, params: StructuredOutputsParams) -> GuidanceGrammar:
         return GuidanceGrammar(self._matcher(params.kind, grammar_spec(params, self.disable_additional_properties)),
-                               params.kind)
+                               params.kind, self.partial_tokens, _Compilation())

@@ -41,6 +41,12 @@ class StructuredOutputGrammar(ABC):
     def is_terminated(self) -> bool:
         """The output is complete: nothing but the end of the sequence may follow."""
 
+    @property
+    def limit_reached(self) -> bool:
+        """A copy of this compilation met a resource limit that all its copies share (llguidance's lexer states):
+        new requests get a fresh compilation."""
+        return False
+
     @abstractmethod
     def fork(self) -> StructuredOutputGrammar:
         """An independent copy at the same position (for a sequence forked from this one)."""

@@ -73,12 +73,14 @@ class StructuredOutputManager:
         params = request.params
         key = grammar_cache_key(params)
         compiled = self._cache.get(key)
+        if compiled is not None and compiled.done() and compiled.exception() is None \
+                and compiled.result().limit_reached:
+            compiled = None  # spent by an earlier request: compile afresh
         if compiled is None:
             compiled = self._cache[key] = self._executor.submit(self._compile, params)
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+        self._cache.move_to_end(key)
+        if len(self._cache) > GRAMMAR_CACHE_SIZE:
+            self._cache.popitem(last=False)
         request.compiled = compiled
 
     @staticmethod

@@ -276,3 +276,28 @@ def test_other_parameters_cannot_push_a_row_out_of_its_grammar():
     assert tokens[0] == 9
     assert tokens[1] == 2
     assert tokens[2] == int(logits[2].argmax())
+
+
+def test_a_compilation_spent_by_a_limit_is_compiled_afresh(backend, tokenizer):
+    """llguidance's copies of one compiled grammar share its lexer's state budget: after one request met the limit,
+    the next gets a new compilation instead of failing at once."""
+    from pagellm.structured_output.request import StructuredOutputRequest
+
+    manager = StructuredOutputManager(_ModelConfig(), StructuredOutputsConfig())
+    manager._backend = LazyBackend(lambda: backend)
+    params = StructuredOutputsParams(regex="[0-9]{30}z{1000000}")
+    first, again, fresh = (StructuredOutputRequest(params) for _ in range(3))
+    manager.grammar_init(first)
+    manager.grammar_init(again)
+    assert again.compiled is first.compiled  # shared while unspent
+    first.compiled.result(10)
+    first.take_grammar()
+    walk(first.grammar, tokenizer.encode("0" * 30))
+    with pytest.raises(InvalidRequestError):
+        walk(first.grammar, tokenizer.encode("zz"))
+    manager.grammar_init(fresh)
+    assert fresh.compiled is not first.compiled
+    fresh.compiled.result(10)
+    fresh.take_grammar()
+    walk(fresh.grammar, tokenizer.encode("0" * 30))
+    manager.shutdown()
