@@ -165,6 +165,12 @@ def test_unpack_and_mask_match_a_per_bit_reference():
         disallowed, float("-inf")))
 
 
+def test_a_bitmask_narrower_than_the_logits_is_refused():
+    """Padding rows of an LM head beyond the bitmask's bits must not come out allowed."""
+    with pytest.raises(ValueError, match="cannot cover"):
+        unpack_disallowed([np.full(VOCAB // 32, -1, dtype=np.int32)], VOCAB + 64)
+
+
 class SlowManager(StructuredOutputManager):
     """Compiles only once `release` is set, so the test sees a request waiting for its grammar."""
 

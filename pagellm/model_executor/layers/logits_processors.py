@@ -21,7 +21,10 @@ from pagellm.model_executor.host_copy import to_device
 
 def unpack_disallowed(rows: Sequence[np.ndarray], vocab_size: int) -> torch.Tensor:
     """Packed int32 bitmask rows -> [len(rows), vocab_size] bool, True where the token is NOT allowed."""
-    packed = np.invert(np.stack(rows)).view(np.uint8)  # little-endian words: token t is bit t % 8 of byte t // 8
+    packed = np.stack(rows)
+    if packed.shape[1] * 32 < vocab_size:  # unpacking would pad with zeros: the tail of the vocabulary allowed
+        raise ValueError(f"A grammar bitmask of {packed.shape[1] * 32} bits cannot cover {vocab_size} logits.")
+    packed = np.invert(packed).view(np.uint8)  # little-endian words: token t is bit t % 8 of byte t // 8
     return torch.from_numpy(np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little").view(np.bool_))
 
 
