@@ -9,10 +9,11 @@ mask computed and a few allowed tokens consumed, see `validate`), and a limit me
 with an InvalidRequestError naming it (see `GuidanceGrammar.accept_tokens`), never with a token the grammar does
 not allow.
 
-llguidance's masks can also allow a token that is only part of a multi-byte UTF-8 character (a byte token such as
-0x9F) where the grammar needs another byte (seen with llguidance 1.9 on choices and strings with 4-byte characters):
-consuming it then fails. Such tokens are few (313 of SmolLM2's 49,152), so each one a mask allows is checked
-against the matcher before the mask is used (~0.5 us each)."""
+llguidance's masks can also allow tokens that do not spell the bytes a grammar forces next (seen with llguidance
+1.9 where a choice or string needs a byte that no token of the model holds alone, such as 0x04 or 0xF1 in
+SmolLM2's vocabulary: a byte token that continues some other character passes the mask), and consuming one then
+fails. So when bytes are forced (only one spelling can follow), each token the mask allows is confirmed with the
+matcher before the mask is used; a mask left with no token means no token can continue the output."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ import numpy as np
 
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar, bitmask_words,
+from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
                                                      grammar_cache_key)
 from pagellm.structured_output.json_schema import close_objects
 
@@ -88,16 +89,14 @@ def _token_allowed(mask_row: np.ndarray, token: int) -> bool:
     return 0 <= token < 32 * len(mask_row) and (int(mask_row[token >> 5]) >> (token & 31)) & 1 == 1
 
 
-def _partial_utf8_tokens(ll_tokenizer: llguidance.LLTokenizer, vocab_size: int) -> np.ndarray:
-    """A packed bitmask row of the tokens whose bytes are not whole UTF-8 characters."""
-    row = np.zeros(bitmask_words(vocab_size), dtype=np.int32)
-    bits = row.view(np.uint32)
-    for token in range(vocab_size):
-        try:
-            ll_tokenizer.decode_bytes([token]).decode("utf-8")
-        except UnicodeDecodeError:
-            bits[token >> 5] |= np.uint32(1 << (token & 31))
-    return row
+def _set_tokens(words: np.ndarray):
+    """The token ids whose bits are set in a packed row."""
+    for word in np.flatnonzero(words).tolist():
+        bits = int(words[word]) & 0xFFFFFFFF
+        while bits:
+            low = bits & -bits
+            yield 32 * word + low.bit_length() - 1
+            bits ^= low
 
 
 class _Compilation:
@@ -109,13 +108,11 @@ class _Compilation:
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
-    __slots__ = ("matcher", "kind", "partial_tokens", "compilation", "mask", "dead_end")
+    __slots__ = ("matcher", "kind", "compilation", "mask", "dead_end")
 
-    def __init__(self, matcher: llguidance.LLMatcher, kind: str, partial_tokens: np.ndarray,
-                 compilation: _Compilation) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str, compilation: _Compilation) -> None:
         self.matcher = matcher
         self.kind = kind
-        self.partial_tokens = partial_tokens  # see `_partial_utf8_tokens` and the module docstring
         self.compilation = compilation
         self.mask: np.ndarray | None = None  # the last row filled: what the next sampled token was drawn under
         self.dead_end = False  # the last row filled allows no token
@@ -140,12 +137,11 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         words = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-        partial = words & self.partial_tokens
-        if partial.any():
+        if self.matcher.compute_ff_bytes():  # forced bytes: the mask may allow tokens that do not spell them
             bits = words.view(np.uint32)
-            for token in np.flatnonzero(np.unpackbits(partial.view(np.uint8), bitorder="little")):
-                if self.matcher.validate_tokens([int(token)]) == 0:
-                    bits[token >> 5] &= ~np.uint32(1 << (token & 31))
+            for token in list(_set_tokens(words)):
+                if self.matcher.validate_tokens([token]) == 0:
+                    bits[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
         self.mask = words
         self.dead_end = not words.any()
 
@@ -157,7 +153,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
         return self.compilation.limit_reached
 
     def fork(self) -> GuidanceGrammar:
-        fork = GuidanceGrammar(self.matcher.deep_copy(), self.kind, self.partial_tokens, self.compilation)
+        fork = GuidanceGrammar(self.matcher.deep_copy(), self.kind, self.compilation)
         fork.mask, fork.dead_end = self.mask, self.dead_end  # a request's sequences sample their first tokens together
         return fork
 
@@ -169,7 +165,6 @@ class GuidanceBackend(StructuredOutputBackend):
         self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                          eos_token=sorted(eos_token_ids) or None)
         self.vocab_size = vocab_size
-        self.partial_tokens = _partial_utf8_tokens(self.ll_tokenizer, vocab_size)
         self.disable_additional_properties = disable_additional_properties
         self._validated: OrderedDict[str, None] = OrderedDict()  # cache keys of constraints that passed
         self._validated_lock = threading.Lock()
@@ -217,4 +212,4 @@ class GuidanceBackend(StructuredOutputBackend):
 
     def compile_grammar(self, params: StructuredOutputsParams) -> GuidanceGrammar:
         return GuidanceGrammar(self._matcher(params.kind, grammar_spec(params, self.disable_additional_properties)),
-                               params.kind, self.partial_tokens, _Compilation())
+                               params.kind, _Compilation())

@@ -6,7 +6,8 @@ grammars (oversized ones included), a constrained generation through the whole e
   Python's re, list membership), or
 - is refused with an InvalidRequestError naming a grammar limit (before queueing, or failing alone mid-generation),
   or, mid-generation, saying that no token of the model spells what the grammar needs next (SmolLM2's vocabulary
-  has no token for some bytes, such as 0x04 or 0xF1, the first byte of U+40000-U+7FFFF).
+  has no token for some bytes, such as 0x04 or 0xF1, the first byte of U+40000-U+7FFFF; llguidance's own mask
+  then allows tokens that do not spell it, which the engine must catch).
 Never a token outside the grammar, and never any other failure. Runs on the tiny random-weight Llama, which
 samples all over the vocabulary: the mask alone keeps it in the language."""
 from __future__ import annotations
@@ -37,9 +38,10 @@ REFERENCE_LIMITS = dict(max_items_in_row=1_000_000, step_max_items=10_000_000, s
                         initial_lexer_fuel=100_000_000, max_lexer_states=10_000_000, max_grammar_size=10_000_000)
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(model=str(model_dir), max_model_len=128, kv_cache_memory_bytes=8 << 20)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def llm(model_dir, request):
+    """Both step loops: with async scheduling a constrained batch's bitmask waits for the step before it."""
+    return LLM(model=str(model_dir), max_model_len=128, kv_cache_memory_bytes=8 << 20, async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")
