@@ -11,8 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 
-from conftest import API_KEY
-
 ENUM = [f"value {i}" for i in range(3_000)]
 CHOICES = [f"option {i:04d}" for i in range(4_000)]
 CASES = [
@@ -30,16 +28,16 @@ CASES = [
 ]
 
 
-def _complete(url: str, structured: dict, stream: bool = False) -> httpx.Response:
+def _complete(client, structured: dict, stream: bool = False) -> httpx.Response:
     body = {"model": "tiny", "prompt": "Answer:", "max_tokens": 40, "temperature": 1.0, "seed": 3,
             "structured_outputs": structured, "stream": stream}
-    return httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120)
+    return httpx.post(f"{client.base_url}completions", json=body,
+                      headers={"Authorization": f"Bearer {client.api_key}"}, timeout=120)
 
 
-def test_large_grammars_get_a_valid_200_or_a_400_never_a_5xx(server):
+def test_large_grammars_get_a_valid_200_or_a_400_never_a_5xx(server, client):
     with ThreadPoolExecutor(len(CASES)) as pool:
-        responses = list(pool.map(lambda case: _complete(server.url, case[0]), CASES * 2))
+        responses = list(pool.map(lambda case: _complete(client, case[0]), CASES * 2))
     for (structured, check, statuses), response in zip(CASES * 2, responses):
         assert response.status_code in statuses, (str(structured)[:80], response.status_code, response.text[:300])
         if response.status_code == 400:
@@ -49,12 +47,12 @@ def test_large_grammars_get_a_valid_200_or_a_400_never_a_5xx(server):
         choice = response.json()["choices"][0]
         if choice["finish_reason"] == "stop":
             assert check(choice["text"]), choice["text"]
-    assert _complete(server.url, CASES[-2][0]).status_code == 200  # still serving
+    assert _complete(client, CASES[-2][0]).status_code == 200  # still serving
     assert server.wait_until_idle()[("pagellm:kv_cache_usage_perc", ())] == 0
 
 
-def test_a_stream_that_meets_a_limit_ends_with_a_400_event(server):
-    response = _complete(server.url, {"regex": "[0-9]{30}z{1000000}"}, stream=True)
+def test_a_stream_that_meets_a_limit_ends_with_a_400_event(server, client):
+    response = _complete(client, {"regex": "[0-9]{30}z{1000000}"}, stream=True)
     assert response.status_code == 200, response.text  # the probe passed: the limit is met only after 30 tokens
     events = [json.loads(line[6:]) for line in response.text.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
