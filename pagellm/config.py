@@ -1,4 +1,5 @@
-"""Engine configuration: one dataclass per concern, validated once when built."""
+"""Engine configuration: one dataclass per concern, validated once when built. Each setting's default is written
+here, once (`EngineArgs` and the CLI read it), and configs are built with keywords only."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -51,7 +52,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     model: str  # local Hugging Face-style checkpoint directory
     tokenizer: str
@@ -59,7 +60,7 @@ class ModelConfig:
     architecture: str
     dtype: torch.dtype
     max_model_len: int
-    max_logprobs: int  # the most logprobs / prompt_logprobs one request may ask for
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for
     seed: int = 0
     served_model_name: str | None = None
     quantization: str = "none"  # how weights are stored: see layers/quantization.py
@@ -90,7 +91,7 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # None: derived from free memory
@@ -127,7 +128,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "short-first")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 256
@@ -165,7 +166,7 @@ class SchedulerConfig:
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -212,19 +213,19 @@ class ParallelConfig:
         return rank // self.tensor_parallel_size
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StructuredOutputsConfig:
     # JSON schemas' objects admit only the properties they name unless the schema says otherwise (vLLM's
     # xgrammar default; a request's own `disable_additional_properties` overrides it). See structured_output/.
     disable_additional_properties: bool = True
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DeviceConfig:
     device: torch.device
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig

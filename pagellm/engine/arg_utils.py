@@ -32,38 +32,40 @@ from pagellm.model_executor.models.registry import resolve_architecture
 
 @dataclass
 class EngineArgs:
+    """Every engine setting, as `LLM(...)` keywords and CLI flags. Defaults are read from the config classes; None
+    means "resolved when the engine is built" (from the model, the device or the GGUF file)."""
     model: str | os.PathLike | None = None
     tokenizer: str | os.PathLike | None = None
     dtype: str = "auto"
     device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
+    seed: int = ModelConfig.seed
+    max_model_len: int | None = None  # None: the model's limit
+    block_size: int = CacheConfig.block_size
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     served_model_name: str | None = None
-    max_logprobs: int = 20
+    max_logprobs: int = ModelConfig.max_logprobs
     quantization: str | None = None  # None: "gguf" for a GGUF model on the CPU in float32, else "none"
-    quantize_activations: bool = False  # llama.cpp's arithmetic for packed weights: faster, no longer exact
-    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured graphs
-    enable_prefix_caching: bool = True
-    swap_space: float = 4.0  # GiB of host memory for the host block tier
-    kv_cache_dtype: str = "auto"  # the model's dtype; float16/bfloat16 halve a float32 model's cache, fp8 quarters it
-    preemption_mode: str = "recompute"
-    scheduling_policy: str = "fcfs"
-    short_first_max_wait: float = 10.0  # seconds
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None: uni for one rank, mp for more
-    data_parallel_size: int = 1  # engine replicas (pagellm serve)
+    quantize_activations: bool = ModelConfig.quantize_activations
+    enforce_eager: bool = ModelConfig.enforce_eager
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    swap_space: float = CacheConfig.swap_space_bytes / (1 << 30)  # GiB of host memory for the host block tier
+    kv_cache_dtype: str = CacheConfig.cache_dtype
+    preemption_mode: str = SchedulerConfig.preemption_mode
+    scheduling_policy: str = SchedulerConfig.scheduling_policy
+    short_first_max_wait: float = SchedulerConfig.short_first_max_wait  # seconds
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
+    distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
+    data_parallel_size: int = ParallelConfig.data_parallel_size  # engine replicas (pagellm serve)
     # A batch per pipeline stage in flight. None: on for CUDA (each rank its own device), off on the CPU, where
     # the stages share the same cores and memory bandwidth and splitting batches measured slower.
     pipeline_overlap: bool | None = None
     # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/async_scheduling.py).
-    async_scheduling: bool = False
+    async_scheduling: bool = SchedulerConfig.async_scheduling
     structured_outputs_disable_additional_properties: bool = StructuredOutputsConfig.disable_additional_properties
 
     def create_engine_config(self) -> EngineConfig:
@@ -79,9 +81,10 @@ class EngineArgs:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}; fix --max-logprobs.")
         pipeline_overlap = device.type == "cuda" if self.pipeline_overlap is None else self.pipeline_overlap
-        parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                         self.distributed_executor_backend, self.data_parallel_size,
-                                         pipeline_overlap=pipeline_overlap)
+        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                         pipeline_parallel_size=self.pipeline_parallel_size,
+                                         distributed_executor_backend=self.distributed_executor_backend,
+                                         data_parallel_size=self.data_parallel_size, pipeline_overlap=pipeline_overlap)
         check_parallel_sizes(hf_config, parallel_config)
         if self.async_scheduling and parallel_config.distributed_executor_backend != "uni":
             raise ValueError("--async-scheduling works with one rank in this process (the uni executor); drop it "
@@ -107,16 +110,22 @@ class EngineArgs:
         )
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.gpu_memory_utilization,
-                                     self.enable_prefix_caching, int(self.swap_space * (1 << 30)),
-                                     self.kv_cache_dtype),
-            scheduler_config=SchedulerConfig(max_model_len, self.max_num_seqs, self.max_num_batched_tokens,
-                                             self.enable_chunked_prefill, self.scheduling_policy,
-                                             self.preemption_mode, self.short_first_max_wait,
-                                             self.async_scheduling),
-            device_config=DeviceConfig(device),
+            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                                     gpu_memory_utilization=self.gpu_memory_utilization,
+                                     enable_prefix_caching=self.enable_prefix_caching,
+                                     swap_space_bytes=int(self.swap_space * (1 << 30)),
+                                     cache_dtype=self.kv_cache_dtype),
+            scheduler_config=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+                                             max_num_batched_tokens=self.max_num_batched_tokens,
+                                             enable_chunked_prefill=self.enable_chunked_prefill,
+                                             scheduling_policy=self.scheduling_policy,
+                                             preemption_mode=self.preemption_mode,
+                                             short_first_max_wait=self.short_first_max_wait,
+                                             async_scheduling=self.async_scheduling),
+            device_config=DeviceConfig(device=device),
             parallel_config=parallel_config,
-            structured_outputs_config=StructuredOutputsConfig(self.structured_outputs_disable_additional_properties),
+            structured_outputs_config=StructuredOutputsConfig(
+                disable_additional_properties=self.structured_outputs_disable_additional_properties),
         )
 
     def _quantization(self, device: torch.device, dtype: torch.dtype, gguf_file: Path | None) -> str:
@@ -161,7 +170,8 @@ class EngineArgs:
         parser.add_argument("--max-model-len", type=int, default=None,
                             help="context length (prompt + output); default: the model's")
         parser.add_argument("--block-size", type=int, default=EngineArgs.block_size, help="tokens per KV cache block")
-        parser.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=parse_size, default=None,
+        parser.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=parse_size,
+                            default=EngineArgs.kv_cache_memory_bytes,
                             help="KV cache size, e.g. 2GiB or 512MB (default: a share of free RAM on CPU, "
                                  "--gpu-memory-utilization on CUDA)")
         parser.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization)

@@ -8,10 +8,11 @@ import importlib
 import sys
 
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.sampling_params import SamplingParams
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pagellm import LLM, SamplingParams
+    from pagellm import LLM
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -84,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=-1)
+    generate.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    generate.add_argument("--top-k", type=int, default=SamplingParams.top_k)
     generate.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     EngineArgs.add_cli_args(generate)
     generate.set_defaults(handler=_generate)

@@ -54,8 +54,9 @@ def _logits(model_dir: str, storage: str) -> list[torch.Tensor]:
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_dir)
-    model_config = ModelConfig(model_dir, model_dir, hf_config, resolve_architecture(hf_config), torch.float32,
-                               max_model_len=64, max_logprobs=0)
+    model_config = ModelConfig(model=model_dir, tokenizer=model_dir, hf_config=hf_config,
+                               architecture=resolve_architecture(hf_config), dtype=torch.float32, max_model_len=64,
+                               max_logprobs=0)
     model = get_model_class(model_config.architecture)(hf_config, max_position=model_config.max_model_len)
     weights = iterate_weights(model_dir)
     if storage == "gguf-q8_0":  # every matrix handed over packed, as the GGUF loader does

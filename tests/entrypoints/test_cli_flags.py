@@ -1,0 +1,42 @@
+"""The README's flag lists against the CLI's parsers, both ways: every flag of `pagellm serve` and `pagellm generate`
+is documented, and every flag the engine and server paragraphs name exists (so neither can drift)."""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from pagellm.entrypoints.cli import build_parser
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+# The paragraphs that list pagellm's own flags (other paragraphs quote llama.cpp's and guidellm's).
+FLAG_PARAGRAPHS = ("Engine flags use vLLM's names:", "An OpenAI-compatible server (FastAPI + uvicorn, in-process)")
+
+
+def _long_options(command: str) -> set[str]:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {option for action in commands.choices[command]._actions for option in action.option_strings
+            if option.startswith("--") and option != "--help"}
+
+
+def _paragraph(text: str, start: str) -> str:
+    begin = text.index(start)
+    return text[begin:text.index("\n\n", begin)]
+
+
+def test_every_flag_is_documented():
+    text = README.read_text()
+    for command in ("serve", "generate"):
+        missing = [option for option in sorted(_long_options(command)) if not option.startswith("--no-")
+                   and option not in text and f"--[no-]{option[2:]}" not in text]
+        assert not missing, f"pagellm {command}: {missing} are not in README.md"
+
+
+def test_every_documented_flag_exists():
+    text = README.read_text()
+    options = _long_options("serve") | _long_options("generate")
+    for start in FLAG_PARAGRAPHS:
+        named = {"--" + name for name in re.findall(r"`--(?:\[no-\])?([a-z][a-z0-9-]*)", _paragraph(text, start))}
+        assert named, start
+        assert named <= options, f"README names flags that pagellm lacks: {sorted(named - options)}"
