@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.sampling_params import SamplingParams
@@ -76,7 +77,22 @@ def _bench_soak(args: argparse.Namespace) -> int:
         return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Benchmarks with flags of their own and no engine: name -> (module, help, handler).
+_OTHER_BENCHMARKS = {
+    "random-gguf": ("random_gguf", "write a random-weight GGUF of a real model's shapes in a llama.cpp quantization "
+                    "mix (for bench latency --model)", None),
+    "random-checkpoint": ("random_checkpoint", "write a random-weight Hugging Face Llama checkpoint of a real "
+                          "model's shapes (for bench latency --model on a GPU)", None),
+    "serve": ("serve", "load-test an OpenAI-compatible server over HTTP (no engine flags)", _bench_serve),
+    "soak": ("soak", "mixed, partly bad or abandoned traffic against a running server, then check that it drains "
+             "(no engine flags)", _bench_soak),
+}
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The command line that parses `argv`. A benchmark's flags (and module) are added only when `argv` runs it
+    (`bench NAME ...`), so `serve`, `generate` and `--help` import no benchmark."""
+    selected = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
     parser = argparse.ArgumentParser(prog="pagellm", description="Run and serve large language models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -100,37 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     for name, help_text in _ENGINE_BENCHMARKS.items():
         benchmark = bench.add_parser(name, help=help_text)
-        importlib.import_module(f"pagellm.benchmarks.{name}").add_cli_args(benchmark)
-        EngineArgs.add_cli_args(benchmark)
-        benchmark.set_defaults(handler=_run_engine_benchmark)
-    random_gguf = bench.add_parser("random-gguf", help="write a random-weight GGUF of a real model's shapes in a "
-                                   "llama.cpp quantization mix (for bench latency --model)")
-    from pagellm.benchmarks import random_gguf as random_gguf_bench
-
-    random_gguf_bench.add_cli_args(random_gguf)
-    random_gguf.set_defaults(handler=random_gguf_bench.run)
-    random_checkpoint = bench.add_parser("random-checkpoint", help="write a random-weight Hugging Face Llama "
-                                         "checkpoint of a real model's shapes (for bench latency --model on a GPU)")
-    from pagellm.benchmarks import random_checkpoint as random_checkpoint_bench
-
-    random_checkpoint_bench.add_cli_args(random_checkpoint)
-    random_checkpoint.set_defaults(handler=random_checkpoint_bench.run)
-    serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP (no engine flags)")
-    from pagellm.benchmarks.serve import add_cli_args as add_serve_bench_args
-
-    add_serve_bench_args(serve_bench)
-    serve_bench.set_defaults(handler=_bench_serve)
-    soak = bench.add_parser("soak", help="mixed, partly bad or abandoned traffic against a running server, then "
-                                         "check that it drains (no engine flags)")
-    from pagellm.benchmarks.soak import add_cli_args as add_soak_args
-
-    add_soak_args(soak)
-    soak.set_defaults(handler=_bench_soak)
+        if name == selected:
+            importlib.import_module(f"pagellm.benchmarks.{name}").add_cli_args(benchmark)
+            EngineArgs.add_cli_args(benchmark)
+            benchmark.set_defaults(handler=_run_engine_benchmark)
+    for name, (module_name, help_text, handler) in _OTHER_BENCHMARKS.items():
+        benchmark = bench.add_parser(name, help=help_text)
+        if name == selected:
+            module = importlib.import_module(f"pagellm.benchmarks.{module_name}")
+            module.add_cli_args(benchmark)
+            benchmark.set_defaults(handler=handler or module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError) as exc:

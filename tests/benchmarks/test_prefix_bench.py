@@ -16,7 +16,7 @@ from pagellm.entrypoints.cli import build_parser
 
 
 def bench(*argv: str):
-    args = build_parser().parse_args(["bench", *argv])
+    args = build_parser(["bench", *argv]).parse_args(["bench", *argv])
     return importlib.import_module(f"pagellm.benchmarks.{args.bench_command}").run(args)
 
 

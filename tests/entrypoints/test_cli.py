@@ -1,9 +1,12 @@
-"""The README's flag lists against the CLI's parsers, both ways: every flag of `pagellm serve` and `pagellm generate`
-is documented, and every flag the engine and server paragraphs name exists (so neither can drift)."""
+"""The command line: the README's flag lists against the parsers, both ways (every flag of `pagellm serve` and
+`pagellm generate` is documented, and every flag the engine and server paragraphs name exists), and no benchmark
+module loaded unless a benchmark runs."""
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from pagellm.entrypoints.cli import build_parser
@@ -40,3 +43,14 @@ def test_every_documented_flag_exists():
         named = {"--" + name for name in re.findall(r"`--(?:\[no-\])?([a-z][a-z0-9-]*)", _paragraph(text, start))}
         assert named, start
         assert named <= options, f"README names flags that pagellm lacks: {sorted(named - options)}"
+
+
+def test_benchmarks_are_imported_only_when_one_runs():
+    script = ("import sys; from pagellm.entrypoints.cli import build_parser\n"
+              "for argv in (['serve'], ['generate', 'x'], ['--help'], ['bench']): build_parser(argv)\n"
+              "print(sorted(m for m in sys.modules if m.startswith('pagellm.benchmarks')))\n"
+              "build_parser(['bench', 'structured'])\n"
+              "print(sorted(m for m in sys.modules if m.startswith('pagellm.benchmarks')))")
+    lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert lines[0] == "[]"
+    assert "pagellm.benchmarks.structured" in lines[1]
