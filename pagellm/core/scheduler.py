@@ -33,7 +33,7 @@ import numpy as np
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_batch import (admit_compiled_grammars, admit_waiting, make_room_for_waiting, num_next_tokens,
                                       num_sequences, num_slots_in_use, preempt_for_priority, schedule_running)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagellm.core.block_pool import BlockPool
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.block_pool import BlockPool
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 

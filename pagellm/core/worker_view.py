@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 

@@ -11,7 +11,7 @@ from collections import deque
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable
 
 from pagellm.config import EngineConfig
-from pagellm.core.kv_cache_manager import cdiv
+from pagellm.core.kv.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.engine.core_client import DeadCallback, EngineCoreClient, UpdateCallback
 from pagellm.engine.core_loop import StateCallback

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pagellm.core.block_hash import extend_block_hashes
+from pagellm.core.kv.block_hash import extend_block_hashes
 from pagellm.core.request import Request
 from pagellm.metrics.stats import SchedulerStats
 

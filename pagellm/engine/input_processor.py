@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
-from pagellm.core.kv_cache_manager import cdiv
+from pagellm.core.kv.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams

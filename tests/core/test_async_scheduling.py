@@ -12,7 +12,7 @@ from test_scheduler_invariants import workloads
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagellm.core.block_pool import BlockPool
-from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.kv.block_pool import BlockPool
+from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 

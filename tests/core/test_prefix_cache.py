@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from pagellm.core.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ import pytest
 from pagellm.config import SchedulerConfig
 from pagellm.core import sched_policy
 from pagellm.core.beam_group import BeamGroup
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams, SamplingParams

@@ -6,7 +6,7 @@ import weakref
 import pytest
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams

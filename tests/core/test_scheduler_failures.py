@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core import sched_results
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler

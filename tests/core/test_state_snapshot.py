@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 from pagellm.core.state_snapshot import MAX_LISTED_REQUESTS, engine_state

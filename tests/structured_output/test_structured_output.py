@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagellm.config import SchedulerConfig, StructuredOutputsConfig
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import GrammarOutput
 from pagellm.core.scheduler import Scheduler

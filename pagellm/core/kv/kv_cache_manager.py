@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pagellm.core.block_hash import extend_block_hashes
-from pagellm.core.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.kv.block_hash import extend_block_hashes
+from pagellm.core.kv.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.request import Request
 
 
