@@ -138,7 +138,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     # short-first: a request that has waited this long goes ahead of every shorter one (the starvation bound).
     short_first_max_wait: float = 10.0
-    # Schedule batch N+1 while batch N runs (see core/async_scheduling.py).
+    # Schedule batch N+1 while batch N runs (see core/sched/async_scheduling.py).
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
-from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import SamplingParams

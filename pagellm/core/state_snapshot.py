@@ -13,7 +13,7 @@ from typing import Any
 from pagellm.core.kv.block_pool import BlockPool
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.scheduler import Scheduler
 
 # One character per block: free (no contents worth keeping), cached-but-free (a prefix-cache block nobody holds:
 # reusable, evictable), used by one sequence, shared by several (ref count > 1: n > 1, beams, common prefixes).

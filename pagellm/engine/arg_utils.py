@@ -64,7 +64,7 @@ class EngineArgs:
     # A batch per pipeline stage in flight. None: on for CUDA (each rank its own device), off on the CPU, where
     # the stages share the same cores and memory bandwidth and splitting batches measured slower.
     pipeline_overlap: bool | None = None
-    # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/async_scheduling.py).
+    # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/sched/async_scheduling.py).
     async_scheduling: bool = SchedulerConfig.async_scheduling
     structured_outputs_disable_additional_properties: bool = StructuredOutputsConfig.disable_additional_properties
 

@@ -13,8 +13,8 @@ from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched_output import SchedulerOutput
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.output import SchedulerOutput
+from pagellm.core.sched.scheduler import Scheduler
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
@@ -46,7 +46,7 @@ class EngineCore:
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
         self.async_scheduling = config.scheduler_config.async_scheduling
-        # Async scheduling keeps the next batch queued behind the running one (see core/async_scheduling.py).
+        # Async scheduling keeps the next batch queued behind the running one (see core/sched/async_scheduling.py).
         self.max_in_flight = 2 if self.async_scheduling else self.executor.max_concurrent_batches
         # Async scheduling: the newest batch, submitted up to its sampling, whose constrained sequences wait for the
         # batch before it to be applied (their bitmask needs the grammars advanced by its tokens).

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import SchedulerOutput
+from pagellm.core.sched.output import SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.logger import init_logger
 from pagellm.worker.async_output import AsyncModelRunnerOutput

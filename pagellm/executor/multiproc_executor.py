@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
+from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger

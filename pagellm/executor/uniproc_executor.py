@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
+from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.executor.abstract import Executor
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunnerOutput

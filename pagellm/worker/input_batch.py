@@ -1,5 +1,5 @@
 """The worker's persistent view of the sequences it runs, kept in step with the scheduler from the diffs in each
-SchedulerOutput (see core/sched_output.py), and the per-step batch built from it.
+SchedulerOutput (see core/sched/output.py), and the per-step batch built from it.
 
 The worker owns these lists: nothing aliases the scheduler's state, so the same code serves a worker in another
 process.
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagellm.core.sched_output import NewRequestData, SchedulerOutput
+from pagellm.core.sched.output import NewRequestData, SchedulerOutput
 from pagellm.sampling_params import SamplingParams
 
 
@@ -51,7 +51,7 @@ class BatchedRequest:
     # Async scheduling: token_ids[-1] is a placeholder for the token the previous batch sampled (see ModelRunner).
     pending_token: bool = False
     # Structured outputs: this step's packed row of the tokens the sequence may sample (see GrammarOutput in
-    # core/sched_output.py), attached once the bitmask has come.
+    # core/sched/output.py), attached once the bitmask has come.
     grammar_bitmask: np.ndarray | None = None
 
     @property

@@ -10,7 +10,7 @@ A request whose own work fails (its prompt logprobs, its sampling parameters) is
 request's rows are sampled alone (seeded generators rewound first, so greedy and seeded requests get exactly the
 tokens the batch would have given them) to find the one that breaks it.
 
-With async scheduling (see core/async_scheduling.py) a step may be prepared before the previous step's sampled
+With async scheduling (see core/sched/async_scheduling.py) a step may be prepared before the previous step's sampled
 tokens reach the host: a sequence whose input is such a token gets it from that step's sampled tokens on the
 device, and the step's own output is an `AsyncModelRunnerOutput` whose tokens are copied to the host behind its
 kernels.
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pagellm.config import ModelConfig
-from pagellm.core.sched_output import GrammarOutput, SchedulerOutput
+from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.model_executor.host_copy import StagedCopy, tensor_on
 from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, attention_backend

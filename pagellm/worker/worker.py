@@ -8,7 +8,7 @@ import os
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.core.sched_output import GrammarOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.output import GrammarOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.distributed.parallel_state import stage_layer_range
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.attention import check_kv_cache_dtype

@@ -1,5 +1,5 @@
 """Async scheduling in the scheduler, driven by hand: batch N+1 is scheduled before batch N's results are applied
-(see core/async_scheduling.py). Checked: which requests continue blind and where they continue, the worker's view
+(see core/sched/async_scheduling.py). Checked: which requests continue blind and where they continue, the worker's view
 of their tokens (built from the diffs alone), results applied in order, requests that end in N, no block leaks."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import RequestStatus
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams
 from pagellm.worker.input_batch import InputBatch
 

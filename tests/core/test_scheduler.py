@@ -8,7 +8,7 @@ import pytest
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.input_batch import InputBatch
 

@@ -11,7 +11,7 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 

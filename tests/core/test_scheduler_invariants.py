@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.input_batch import InputBatch
 

@@ -8,7 +8,7 @@ import json
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.scheduler import Scheduler
 from pagellm.core.state_snapshot import MAX_LISTED_REQUESTS, engine_state
 from pagellm.sampling_params import SamplingParams
 

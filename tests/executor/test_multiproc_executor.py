@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.exceptions import EngineDeadError

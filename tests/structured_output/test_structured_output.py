@@ -15,8 +15,8 @@ import torch
 from pagellm.config import SchedulerConfig, StructuredOutputsConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched_output import GrammarOutput
-from pagellm.core.scheduler import Scheduler
+from pagellm.core.sched.output import GrammarOutput
+from pagellm.core.sched.scheduler import Scheduler
 from pagellm.exceptions import InvalidRequestError
 from pagellm.model_executor.layers.logits_processors import mask_disallowed, unpack_disallowed
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.executor.uniproc_executor import UniProcExecutor
 from pagellm.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ where a synchronous step would have waited for the CPU.
 from __future__ import annotations
 
 from pagellm.core.request import Request
-from pagellm.core.sched_output import ScheduledRequest
+from pagellm.core.sched.output import ScheduledRequest
 
 
 def may_sample_blind(request: Request, flight: ScheduledRequest) -> bool:

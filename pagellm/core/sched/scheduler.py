@@ -35,12 +35,12 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched_batch import (admit_compiled_grammars, admit_waiting, make_room_for_waiting, num_next_tokens,
+from pagellm.core.sched.batch import (admit_compiled_grammars, admit_waiting, make_room_for_waiting, num_next_tokens,
                                       num_sequences, num_slots_in_use, preempt_for_priority, schedule_running)
-from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
-from pagellm.core.sched_policy import SchedulingPolicy
-from pagellm.core.sched_results import apply_results
-from pagellm.core.worker_view import WorkerView
+from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.policy import SchedulingPolicy
+from pagellm.core.sched.results import apply_results
+from pagellm.core.sched.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.structured_output.manager import StructuredOutputManager

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 from pagellm.exceptions import failure_reason
 from pagellm.logger import init_logger
 
 if TYPE_CHECKING:
-    from pagellm.core.scheduler import Scheduler
+    from pagellm.core.sched.scheduler import Scheduler
 
 logger = init_logger(__name__)
 

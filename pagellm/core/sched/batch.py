@@ -2,7 +2,7 @@
 and which running requests are preempted to make room.
 
 There are no prefill or decode phases: every request has `num_computed_tokens`, and each step the scheduler
-hands out tokens (running requests first, then waiting ones in the policy's order, see sched_policy.py) until the
+hands out tokens (running requests first, then waiting ones in the policy's order, see policy.py) until the
 budget `max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer than the remaining budget is split
 into chunks (when chunked prefill is on), so decodes never stall behind it. A request admitted with a cached
 prefix (see KVCacheManager) starts with those tokens computed.
@@ -17,12 +17,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.async_scheduling import tokens_after_flight
+from pagellm.core.sched.async_scheduling import tokens_after_flight
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched_output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pagellm.core.scheduler import Scheduler
+    from pagellm.core.sched.scheduler import Scheduler
 
 
 def num_sequences(request: Request) -> int:
@@ -185,7 +185,7 @@ def make_room_for_waiting(scheduler: Scheduler, output: SchedulerOutput) -> None
 
 def _schedule_request(scheduler: Scheduler, request: Request, num_new: int, output: SchedulerOutput,
                       flight: ScheduledRequest | None = None) -> ScheduledRequest:
-    """The request's part of the step, as a diff against what the workers already have (see sched_output.py):
+    """The request's part of the step, as a diff against what the workers already have (see output.py):
     a sequence they do not know yet is added to `output.new_requests` in full. With a batch of it in `flight`
     (async scheduling) it starts where that batch ends, after the token that batch samples, if any."""
     num_computed, num_known = request.num_computed_tokens, request.num_tokens

@@ -1,12 +1,12 @@
 """What the workers hold of each sequence, kept on the scheduler's side: turns a scheduled request into the diff
-the workers need (see sched_output.py), sending a sequence in full the first time they see it."""
+the workers need (see output.py), sending a sequence in full the first time they see it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
-from pagellm.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)
