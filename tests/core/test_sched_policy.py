@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.sched import policy as sched_policy
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched import policy as sched_policy
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 

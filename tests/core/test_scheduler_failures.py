@@ -7,8 +7,8 @@ import pytest
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
-from pagellm.core.sched import results as sched_results
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched import results as sched_results
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import SamplingParams
 

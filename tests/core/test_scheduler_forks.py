@@ -188,17 +188,15 @@ def test_held_beams_make_room_for_a_queued_sibling():
     def beam(request_id: str, group_id: str) -> Request:
         request = Request(request_id=request_id, prompt_token_ids=list(range(8)), sampling_params=params,
                           eos_token_ids=frozenset(), max_tokens=4, group_id=group_id)
-        sched._track(request)
+        sched.queues.add(request)  # several beams of one group: the transition, not add_request
         return request
 
     for request in (beam("a1", "A"), beam("a2", "A"), beam("c1", "C")):
         assert kv.allocate_slots(request, 8)
         request.num_computed_tokens = 8
         request.beam_candidates = ([1], [-0.5])
-        request.status = request.status.RUNNING
-        sched.running.append(request)
-    a3 = beam("a3", "A")
-    sched.waiting.append(a3)
+        sched.queues.admit(request, num_cached_tokens=0)
+    beam("a3", "A")
     out = sched.schedule()
     assert out.preempted_req_ids == ["c1"]
     assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a3", 8)]

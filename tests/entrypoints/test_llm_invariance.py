@@ -149,13 +149,13 @@ def test_greedy_invariant_under_preemption(name, model_dir, prompts, greedy_refe
     scheduler = llm.llm_engine.engine_core.scheduler
     # Record how far each victim had got, to be sure some recomputation re-feeds already generated tokens.
     outputs_at_preemption = []
-    preempt = scheduler._preempt
+    preempt = scheduler.queues.preempt
 
-    def recording_preempt(request):
+    def recording_preempt(request, **kwargs):
         outputs_at_preemption.append(request.num_output_tokens)
-        preempt(request)
+        preempt(request, **kwargs)
 
-    monkeypatch.setattr(scheduler, "_preempt", recording_preempt)
+    monkeypatch.setattr(scheduler.queues, "preempt", recording_preempt)
     assert run(llm, prompts, greedy_params(), no_leaks) == greedy_reference
     assert scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
     assert scheduler.num_preemptions_total == len(outputs_at_preemption)

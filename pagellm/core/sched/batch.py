@@ -1,28 +1,27 @@
 """Choosing one step's batch: how many tokens each running request computes, which waiting requests are admitted,
-and which running requests are preempted to make room.
+and which running requests are preempted to make room; and the batches handed out whose results are not back yet.
 
-There are no prefill or decode phases: every request has `num_computed_tokens`, and each step the scheduler
-hands out tokens (running requests first, then waiting ones in the policy's order, see policy.py) until the
-budget `max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer than the remaining budget is split
-into chunks (when chunked prefill is on), so decodes never stall behind it. A request admitted with a cached
-prefix (see KVCacheManager) starts with those tokens computed.
+There are no prefill or decode phases: every request has `num_computed_tokens`, and each step the planner hands out
+tokens (running requests first, then waiting ones in the policy's order, see policy.py) until the budget
+`max_num_batched_tokens` or `max_num_seqs` is reached. A prompt longer than the remaining budget is split into
+chunks (when chunked prefill is on), so decodes never stall behind it. A request admitted with a cached prefix (see
+KVCacheManager) starts with those tokens computed.
 
-The Scheduler owns the queues (see scheduler.py); these functions move requests between them and preempt through
-`Scheduler._preempt`.
+The requests and their queues belong to RequestQueues (queues.py): the planner reads them and moves requests only
+through its transitions (admit, preempt).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.sched.async_scheduling import tokens_after_flight
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched.async_scheduling import tokens_after_flight
 from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
-
-if TYPE_CHECKING:
-    from pagellm.core.sched.scheduler import Scheduler
+from pagellm.core.sched.policy import SchedulingPolicy
+from pagellm.core.sched.queues import RequestQueues
+from pagellm.core.sched.worker_view import WorkerView
 
 
 def num_sequences(request: Request) -> int:
@@ -50,154 +49,178 @@ def num_next_tokens(request: Request, flight: ScheduledRequest | None, config: S
     return tokens_after_flight(request, flight, config.max_model_len)
 
 
-def schedule_running(scheduler: Scheduler, output: SchedulerOutput, token_budget: int, limit: int) -> int:
-    """Give the running requests their tokens, in order, preempting while the pool is short; returns the token
-    budget left."""
-    index = 0
-    while index < len(scheduler.running) and token_budget > 0 and len(output.scheduled) < limit:
-        request = scheduler.running[index]
-        flight = scheduler.in_flight.get(request.request_id)
-        # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
-        num_new = num_next_tokens(request, flight, scheduler.config)
-        if not num_new:
+class BatchPlanner:
+    def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv_cache_manager: KVCacheManager,
+                 worker_view: WorkerView) -> None:
+        self.config = config
+        self.queues = queues
+        self.kv_cache_manager = kv_cache_manager
+        self.worker_view = worker_view
+        self.policy = SchedulingPolicy(config)
+        # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
+        # their part of the newest such batch: not preempted, nor scheduled again until their results are applied
+        # (with async scheduling: unless they may continue without them).
+        self.in_flight: dict[str, ScheduledRequest] = {}
+
+    def plan(self, output: SchedulerOutput, limit: int) -> None:
+        """Fill `output` with at most `limit` requests, none of them in flight, and the block moves they need."""
+        queues = self.queues
+        order = self.policy.admission_order()
+        if order is not None:
+            queues.sort_waiting(order)
+        self._preempt_for_priority(output)
+        preempted_for_priority = len(output.preempted_req_ids)
+
+        token_budget = self._schedule_running(output, self.config.max_num_batched_tokens, limit)
+        # Admitting new work while running requests are short of blocks would only thrash the cache.
+        if len(output.preempted_req_ids) == preempted_for_priority:
+            self._admit_waiting(output, token_budget, limit)
+        if not output.scheduled and queues.waiting and queues.running and not self.in_flight:
+            self._make_room_for_waiting(output)
+            self._admit_waiting(output, token_budget, limit)
+        transfers = self.kv_cache_manager.take_transfers()
+        output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
+        output.blocks_to_copy = transfers.copies
+        # The sequences of this step that sample under a grammar.
+        output.structured_output_request_ids = [
+            s.request_id for s in output.scheduled
+            if s.needs_sample and queues.requests[s.request_id].structured_output_request is not None]
+        self.in_flight.update((scheduled.request_id, scheduled) for scheduled in output.scheduled)
+
+    def land(self, output: SchedulerOutput) -> None:
+        """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them (that
+        one starts later in the sequence). `output` may be a copy (it travelled to a worker process and back)."""
+        for scheduled in output.scheduled:
+            flight = self.in_flight.get(scheduled.request_id)
+            if flight is not None and flight.num_computed_tokens <= scheduled.num_computed_tokens:
+                del self.in_flight[scheduled.request_id]
+
+    def can_schedule_ahead(self) -> bool:
+        """Async scheduling: whether the next batch may be planned before the oldest in flight is back, i.e. no
+        running request in flight must wait for its results (planning without it would leave it a step behind)."""
+        requests = self.queues.requests
+        return all(num_next_tokens(requests[request_id], flight, self.config) is not None
+                   for request_id, flight in self.in_flight.items()
+                   if request_id in requests and requests[request_id].status == RequestStatus.RUNNING)
+
+    def _schedule_running(self, output: SchedulerOutput, token_budget: int, limit: int) -> int:
+        """Give the running requests their tokens, in order, preempting while the pool is short; returns the token
+        budget left."""
+        running = self.queues.running
+        index = 0
+        while index < len(running) and token_budget > 0 and len(output.scheduled) < limit:
+            request = running[index]
+            flight = self.in_flight.get(request.request_id)
+            # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
+            num_new = num_next_tokens(request, flight, self.config)
+            if not num_new:
+                index += 1
+                continue
+            num_new = min(num_new, token_budget)
+            # Slots for the tokens of its batch in flight were allocated when that batch was scheduled.
+            allocated = self._allocate_or_preempt(request, (flight.num_tokens if flight else 0) + num_new, index,
+                                                  output)
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; the request now at `index` is the next one
+            if allocated:
+                output.scheduled.append(self._schedule_request(request, num_new, output, flight))
+                token_budget -= num_new
             index += 1
-            continue
-        num_new = min(num_new, token_budget)
-        # Slots for the tokens of its batch in flight were allocated when that batch was scheduled.
-        allocated = _allocate_or_preempt(scheduler, request, (flight.num_tokens if flight else 0) + num_new, index,
-                                         output)
-        if request.status != RequestStatus.RUNNING:
-            continue  # preempted itself; the request now at `index` is the next one
-        if allocated:
-            output.scheduled.append(_schedule_request(scheduler, request, num_new, output, flight))
-            token_budget -= num_new
-        index += 1
-    return token_budget
+        return token_budget
 
+    def _allocate_or_preempt(self, request: Request, num_slots: int, index: int, output: SchedulerOutput) -> bool:
+        """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from
+        `index` on (not yet scheduled this step, nor in flight) while the pool is short. False when it could not:
+        the request itself was preempted, or nobody can be."""
+        while not self.kv_cache_manager.allocate_slots(request, num_slots):
+            candidates = self._preemptible(self.queues.running[index:])
+            if not candidates:
+                return False
+            victim = self.policy.pick_victim(candidates)
+            self._preempt(victim, output)
+            if victim is request:
+                return False
+        return True
 
-def _allocate_or_preempt(scheduler: Scheduler, request: Request, num_slots: int, index: int,
-                         output: SchedulerOutput) -> bool:
-    """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from
-    `index` on (not yet scheduled this step, nor in flight) while the pool is short. False when it could not:
-    the request itself was preempted, or nobody can be."""
-    while not scheduler.kv_cache_manager.allocate_slots(request, num_slots):
-        candidates = _preemptible(scheduler.running[index:], scheduler.in_flight)
-        if not candidates:
-            return False
-        victim = scheduler.policy.pick_victim(candidates)
-        scheduler.running.remove(victim)
-        scheduler._preempt(victim)
+    def _preemptible(self, candidates: list[Request]) -> list[Request]:
+        return [r for r in candidates if r.request_id not in self.in_flight] if self.in_flight else candidates
+
+    def _preempt(self, victim: Request, output: SchedulerOutput, to_front: bool = True) -> None:
+        self.queues.preempt(victim, to_front=to_front)
         output.preempted_req_ids.append(victim.request_id)
-        if victim is request:
-            return False
-    return True
 
-
-def _preemptible(candidates: list[Request], in_flight: dict[str, ScheduledRequest]) -> list[Request]:
-    return [r for r in candidates if r.request_id not in in_flight] if in_flight else candidates
-
-
-def admit_compiled_grammars(scheduler: Scheduler) -> None:
-    """Requests whose grammar has compiled join the waiting queue; one whose grammar failed fails alone."""
-    errors: dict[str, str] = {}
-    for request in [r for r in scheduler.waiting_for_fsm if r.structured_output_request.is_compiled]:
-        try:
-            request.structured_output_request.take_grammar()
-        except Exception as exc:
-            errors[request.group_id] = f"{type(exc).__name__}: {exc}"
-            continue
-        scheduler.waiting_for_fsm.remove(request)
-        request.status = RequestStatus.WAITING
-        scheduler.waiting.append(request)
-    scheduler._fail_groups(errors)
-
-
-def preempt_for_priority(scheduler: Scheduler, output: SchedulerOutput) -> None:
-    """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its
-    first chunk), preempt the lowest-priority running request if it ranks strictly below it."""
-    if not scheduler.waiting:
-        return
-    head = scheduler.waiting[0]
-    manager = scheduler.kv_cache_manager
-    config = scheduler.config
-    first_chunk = min(head.num_tokens - head.num_computed_tokens, config.max_num_batched_tokens)
-    need = manager.num_blocks_for_tokens(head.num_computed_tokens + first_chunk)
-    while candidates := _preemptible(scheduler.running, scheduler.in_flight):
-        fits = (num_slots_in_use(scheduler.running) + num_sequences(head) <= config.max_num_seqs
-                and manager.block_pool.num_free_blocks >= need)
-        victim = scheduler.policy.pick_victim(candidates)
-        if fits or not scheduler.policy.outranks(head, victim):
+    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
+        """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its
+        first chunk), preempt the lowest-priority running request if it ranks strictly below it."""
+        queues, manager, config = self.queues, self.kv_cache_manager, self.config
+        if not queues.waiting:
             return
-        scheduler.running.remove(victim)
-        scheduler._preempt(victim, to_front=False)
-        output.preempted_req_ids.append(victim.request_id)
+        head = queues.waiting[0]
+        first_chunk = min(head.num_tokens - head.num_computed_tokens, config.max_num_batched_tokens)
+        need = manager.num_blocks_for_tokens(head.num_computed_tokens + first_chunk)
+        while candidates := self._preemptible(queues.running):
+            fits = (num_slots_in_use(queues.running) + num_sequences(head) <= config.max_num_seqs
+                    and manager.block_pool.num_free_blocks >= need)
+            victim = self.policy.pick_victim(candidates)
+            if fits or not self.policy.outranks(head, victim):
+                return
+            self._preempt(victim, output, to_front=False)
 
+    def _admit_waiting(self, output: SchedulerOutput, token_budget: int, limit: int) -> None:
+        queues, manager = self.queues, self.kv_cache_manager
+        slots_in_use = num_slots_in_use(queues.running)
+        while queues.waiting and token_budget > 0 and len(output.scheduled) < limit:
+            request = queues.waiting[0]
+            if request.request_id in output.preempted_req_ids:
+                break  # preempted this step to make room: it waits for the next one
+            if slots_in_use + num_sequences(request) > self.config.max_num_seqs:
+                break
+            swapped = manager.is_swapped_out(request)
+            computed = manager.get_computed_blocks(request) if not swapped else None
+            num_cached = computed.num_blocks * manager.block_size if computed else 0
+            num_new = request.num_tokens - request.num_computed_tokens - num_cached
+            if num_new > token_budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, token_budget)
+            if not manager.allocate_slots(request, num_new, computed):
+                break
+            queues.admit(request, num_cached)
+            if not swapped:
+                manager.record_query(request)
+            slots_in_use += num_sequences(request)
+            output.scheduled.append(self._schedule_request(request, num_new, output))
+            token_budget -= num_new
 
-def admit_waiting(scheduler: Scheduler, output: SchedulerOutput, token_budget: int, limit: int) -> None:
-    waiting = scheduler.waiting
-    slots_in_use = num_slots_in_use(scheduler.running)
-    while waiting and token_budget > 0 and len(output.scheduled) < limit:
-        request = waiting[0]
-        if request.request_id in output.preempted_req_ids:
-            break  # preempted this step to make room: it waits for the next one
-        if slots_in_use + num_sequences(request) > scheduler.config.max_num_seqs:
-            break
-        manager = scheduler.kv_cache_manager
-        swapped = manager.is_swapped_out(request)
-        computed = manager.get_computed_blocks(request) if not swapped else None
-        num_cached = computed.num_blocks * manager.block_size if computed else 0
-        num_new = request.num_tokens - request.num_computed_tokens - num_cached
-        if num_new > token_budget and not scheduler.config.enable_chunked_prefill:
-            break
-        num_new = min(num_new, token_budget)
-        if not manager.allocate_slots(request, num_new, computed):
-            break
-        waiting.popleft()
-        request.status = RequestStatus.RUNNING
-        if not swapped:
-            manager.record_query(request)
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
-            request.num_cached_tokens = num_cached
-        scheduler.running.append(request)
-        slots_in_use += num_sequences(request)
-        output.scheduled.append(_schedule_request(scheduler, request, num_new, output))
-        token_budget -= num_new
+    def _make_room_for_waiting(self, output: SchedulerOutput) -> None:
+        """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not
+        fit (in the pool, or under max_num_seqs). Preempt other requests' sequences (newest first, to the back of
+        the queue) until it does; a beam group alone always fits the pool (checked when it is added)."""
+        queues, manager = self.queues, self.kv_cache_manager
+        head = queues.waiting[0]
+        need = manager.num_blocks_for_tokens(head.num_tokens)
+        for victim in reversed(list(queues.running)):
+            if (manager.block_pool.num_free_blocks >= need
+                    and num_slots_in_use(queues.running) + num_sequences(head) <= self.config.max_num_seqs):
+                break
+            if victim.group_id == head.group_id:
+                continue
+            self._preempt(victim, output, to_front=False)
 
-
-def make_room_for_waiting(scheduler: Scheduler, output: SchedulerOutput) -> None:
-    """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not
-    fit (in the pool, or under max_num_seqs). Preempt other requests' sequences (newest first, to the back of
-    the queue) until it does; a beam group alone always fits the pool (checked when it is added)."""
-    head = scheduler.waiting[0]
-    manager = scheduler.kv_cache_manager
-    need = manager.num_blocks_for_tokens(head.num_tokens)
-    for victim in reversed(list(scheduler.running)):
-        if (manager.block_pool.num_free_blocks >= need
-                and num_slots_in_use(scheduler.running) + num_sequences(head) <= scheduler.config.max_num_seqs):
-            break
-        if victim.group_id == head.group_id:
-            continue
-        scheduler.running.remove(victim)
-        scheduler._preempt(victim, to_front=False)
-        output.preempted_req_ids.append(victim.request_id)
-
-
-def _schedule_request(scheduler: Scheduler, request: Request, num_new: int, output: SchedulerOutput,
-                      flight: ScheduledRequest | None = None) -> ScheduledRequest:
-    """The request's part of the step, as a diff against what the workers already have (see output.py):
-    a sequence they do not know yet is added to `output.new_requests` in full. With a batch of it in `flight`
-    (async scheduling) it starts where that batch ends, after the token that batch samples, if any."""
-    num_computed, num_known = request.num_computed_tokens, request.num_tokens
-    if flight is not None:
-        num_computed = flight.num_computed_tokens + flight.num_tokens
-        num_known += flight.needs_sample
-    needs_sample = num_computed + num_new == num_known
-    scheduled = ScheduledRequest(
-        request.request_id, num_new, num_computed, needs_sample=needs_sample,
-        pending_token=flight is not None and flight.needs_sample,
-        # n > 1: the first sample is drawn n times from the same logits, then the request forks (beams take
-        # their candidates from one sample's logprobs).
-        num_samples=num_sequences(request) if needs_sample and request.beam_group is None else 1)
-    scheduler.worker_view.fill(scheduled, request, output)
-    return scheduled
+    def _schedule_request(self, request: Request, num_new: int, output: SchedulerOutput,
+                          flight: ScheduledRequest | None = None) -> ScheduledRequest:
+        """The request's part of the step, as a diff against what the workers already have (see output.py): a
+        sequence they do not know yet is added to `output.new_requests` in full. With a batch of it in `flight`
+        (async scheduling) it starts where that batch ends, after the token that batch samples, if any."""
+        num_computed, num_known = request.num_computed_tokens, request.num_tokens
+        if flight is not None:
+            num_computed = flight.num_computed_tokens + flight.num_tokens
+            num_known += flight.needs_sample
+        needs_sample = num_computed + num_new == num_known
+        scheduled = ScheduledRequest(
+            request.request_id, num_new, num_computed, needs_sample=needs_sample,
+            pending_token=flight is not None and flight.needs_sample,
+            # n > 1: the first sample is drawn n times from the same logits, then the request forks (beams take
+            # their candidates from one sample's logprobs).
+            num_samples=num_sequences(request) if needs_sample and request.beam_group is None else 1)
+        self.worker_view.fill(scheduled, request, output)
+        return scheduled

@@ -14,7 +14,7 @@ first when the KV pool runs out.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections.abc import Callable
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.request import Request
@@ -29,18 +29,16 @@ class SchedulingPolicy:
         self.name = config.scheduling_policy
         self.max_wait = config.short_first_max_wait
 
-    def order_waiting(self, waiting: deque[Request]) -> None:
-        """Put the waiting queue in admission order (in place). fcfs keeps the queue's own order."""
+    def admission_order(self) -> Callable[[Request], tuple] | None:
+        """The sort key that puts the waiting queue in admission order now; None under fcfs (the queue's own
+        order)."""
         if self.name == "priority":
-            ordered = sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
-        elif self.name == "short-first":
+            return lambda r: (r.priority, r.arrival_time)
+        if self.name == "short-first":
             now = time.monotonic()
-            ordered = sorted(waiting, key=lambda r: (0, r.arrival_time, 0) if now - r.arrival_time >= self.max_wait
-                             else (1, remaining_tokens(r), r.arrival_time))
-        else:
-            return
-        waiting.clear()
-        waiting.extend(ordered)
+            return lambda r: ((0, r.arrival_time, 0) if now - r.arrival_time >= self.max_wait
+                              else (1, remaining_tokens(r), r.arrival_time))
+        return None
 
     def pick_victim(self, candidates: list[Request]) -> Request:
         """The running request to preempt first among `candidates` (in admission order)."""

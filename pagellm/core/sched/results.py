@@ -2,148 +2,140 @@
 logprobs and grammar advances, forks (n > 1 at the first sample; beams chosen more than once) and stop conditions.
 
 Each request, and each beam group once all its beams have their candidates, is updated on its own: an exception
-fails that group alone (`Scheduler.update_from_output` finishes it). The Scheduler owns the queues (see
-scheduler.py): a fork joins `running` right after its parent, a sequence that stops leaves it through
-`Scheduler._finish`.
+fails that group alone (`Scheduler.update_from_output` fails it). Requests change queues only through the
+transitions of RequestQueues (queues.py): a fork joins `running` right after its parent (`fork`), a sequence that
+stops leaves it (`finish`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
+from pagellm.core.sched.queues import RequestQueues
 from pagellm.exceptions import failure_reason
 from pagellm.logger import init_logger
-
-if TYPE_CHECKING:
-    from pagellm.core.sched.scheduler import Scheduler
 
 logger = init_logger(__name__)
 
 
-def apply_results(scheduler: Scheduler, output: SchedulerOutput, sampled: dict[str, list[int]],
-                  logprobs: dict[str, list] | None, prompt_logprobs: dict | None,
-                  errors: dict[str, str]) -> tuple[list[Request], list[BeamGroup]]:
-    """Apply each scheduled request's results, then advance the beam groups whose beams all have their
-    candidates; returns (sequences that got a token, beam groups that finished). `errors` (group id -> why) holds
-    the groups that already failed, which are skipped; a request or group whose update raises is added to it."""
-    updated: list[Request] = []
-    finished_groups: list[BeamGroup] = []
-    ready_groups: dict[str, BeamGroup] = {}
-    for scheduled in output.scheduled:
-        request = scheduler.requests.get(scheduled.request_id)
-        if request is None or request.group_id in errors:  # aborted while the step ran, or its group failed
-            continue
-        try:
-            updated += _update_request(scheduler, request, scheduled, sampled, logprobs, prompt_logprobs)
-        except Exception as exc:
-            logger.exception("Updating request %s failed; it fails alone.", request.request_id)
-            errors[request.group_id] = failure_reason(exc)
-            continue
-        if request.beam_group is not None and request.beam_group.ready:
-            ready_groups[request.group_id] = request.beam_group
-    for group_id, group in ready_groups.items():
-        if group_id in errors:
-            continue
-        try:
-            if _advance_beams(scheduler, group):
-                finished_groups.append(group)
-        except Exception as exc:
-            logger.exception("Advancing beam search %s failed; it fails alone.", group_id)
-            errors[group_id] = failure_reason(exc)
-    return updated, finished_groups
+class ResultApplier:
+    def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.queues = queues
+        self.kv_cache_manager = kv_cache_manager
 
+    def apply(self, output: SchedulerOutput, sampled: dict[str, list[int]], logprobs: dict[str, list] | None,
+              prompt_logprobs: dict | None, errors: dict[str, str]) -> tuple[list[Request], list[BeamGroup]]:
+        """Apply each scheduled request's results, then advance the beam groups whose beams all have their
+        candidates; returns (sequences that got a token, beam groups that finished). `errors` (group id -> why)
+        holds the groups that already failed, which are skipped; a request or group whose update raises is added to
+        it."""
+        updated: list[Request] = []
+        finished_groups: list[BeamGroup] = []
+        ready_groups: dict[str, BeamGroup] = {}
+        for scheduled in output.scheduled:
+            request = self.queues.requests.get(scheduled.request_id)
+            if request is None or request.group_id in errors:  # aborted while the step ran, or its group failed
+                continue
+            try:
+                updated += self._update_request(request, scheduled, sampled, logprobs, prompt_logprobs)
+            except Exception as exc:
+                logger.exception("Updating request %s failed; it fails alone.", request.request_id)
+                errors[request.group_id] = failure_reason(exc)
+                continue
+            if request.beam_group is not None and request.beam_group.ready:
+                ready_groups[request.group_id] = request.beam_group
+        for group_id, group in ready_groups.items():
+            if group_id in errors:
+                continue
+            try:
+                if self._advance_beams(group):
+                    finished_groups.append(group)
+            except Exception as exc:
+                logger.exception("Advancing beam search %s failed; it fails alone.", group_id)
+                errors[group_id] = failure_reason(exc)
+        return updated, finished_groups
 
-def _update_request(scheduler: Scheduler, request: Request, scheduled: ScheduledRequest,
-                    sampled: dict[str, list[int]], logprobs: dict[str, list] | None,
-                    prompt_logprobs: dict | None) -> list[Request]:
-    """Apply one scheduled request's results; returns its sequences that got a token (several when it
-    forks)."""
-    request.num_computed_tokens += scheduled.num_tokens
-    scheduler.kv_cache_manager.cache_full_blocks(request)
-    if prompt_logprobs and request.request_id in prompt_logprobs:
-        first, entries = prompt_logprobs[request.request_id]
-        have = len(request.prompt_logprobs)
-        if first <= have:
-            request.prompt_logprobs.extend(entries[have - first:])
-    if not scheduled.needs_sample:
-        return []
-    entries = (logprobs or {}).get(request.request_id) or [None] * scheduled.num_samples
-    if request.beam_group is not None:
-        ids, values, _ = entries[0]
-        request.beam_candidates = (ids[1:], values[1:])  # the top-k, after the sampled (argmax) token
-        return []
-    tokens = sampled[request.request_id]
-    sequences = [request] + _fork_samples(scheduler, request, len(tokens) - 1)
-    for sequence, token, entry in zip(sequences, tokens, entries):
-        if entry is not None:
-            sequence.logprobs.append(entry)
-            sequence.cumulative_logprob += entry[1][0]
-        structured = sequence.structured_output_request
-        if structured is not None:
-            structured.grammar.accept_tokens([token])  # raises, failing the request, before the token is kept
-        sequence.append_output_token(token)
-        status = check_stop(sequence, scheduler.config.max_model_len)
-        if status is not None:
-            scheduler.running.remove(sequence)
-            scheduler._finish(sequence, status)
-    return sequences
+    def _update_request(self, request: Request, scheduled: ScheduledRequest, sampled: dict[str, list[int]],
+                        logprobs: dict[str, list] | None, prompt_logprobs: dict | None) -> list[Request]:
+        """Apply one scheduled request's results; returns its sequences that got a token (several when it
+        forks)."""
+        request.num_computed_tokens += scheduled.num_tokens
+        self.kv_cache_manager.cache_full_blocks(request)
+        if prompt_logprobs and request.request_id in prompt_logprobs:
+            first, entries = prompt_logprobs[request.request_id]
+            have = len(request.prompt_logprobs)
+            if first <= have:
+                request.prompt_logprobs.extend(entries[have - first:])
+        if not scheduled.needs_sample:
+            return []
+        entries = (logprobs or {}).get(request.request_id) or [None] * scheduled.num_samples
+        if request.beam_group is not None:
+            ids, values, _ = entries[0]
+            request.beam_candidates = (ids[1:], values[1:])  # the top-k, after the sampled (argmax) token
+            return []
+        tokens = sampled[request.request_id]
+        sequences = [request] + self._fork_samples(request, len(tokens) - 1)
+        for sequence, token, entry in zip(sequences, tokens, entries):
+            if entry is not None:
+                sequence.logprobs.append(entry)
+                sequence.cumulative_logprob += entry[1][0]
+            structured = sequence.structured_output_request
+            if structured is not None:
+                structured.grammar.accept_tokens([token])  # raises, failing the request, before the token is kept
+            sequence.append_output_token(token)
+            status = check_stop(sequence, self.config.max_model_len)
+            if status is not None:
+                self.queues.finish(sequence, status)
+        return sequences
 
-
-def _fork_samples(scheduler: Scheduler, request: Request, num_forks: int) -> list[Request]:
-    """n > 1: sequences 1..n-1 of `request`, sharing its blocks, running right after it. With a seed, sequence
-    i continues from seed + i."""
-    children = []
-    position = scheduler.running.index(request) + 1
-    for index in range(1, num_forks + 1):
+    def _fork_samples(self, request: Request, num_forks: int) -> list[Request]:
+        """n > 1: sequences 1..n-1 of `request`, sharing its blocks, running right after it. With a seed, sequence
+        i continues from seed + i."""
         params = request.sampling_params
-        params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
-        child = request.fork(f"{request.group_id}/{index}", index, params)
-        scheduler.kv_cache_manager.fork(request, child)
-        scheduler._track(child)
-        scheduler.running.insert(position, child)
-        position += 1
-        children.append(child)
-    return children
+        children = []
+        for index in range(1, num_forks + 1):
+            seed = None if params.seed is None else params.seed + index
+            children.append(request.fork(f"{request.group_id}/{index}", index,
+                                         dataclasses.replace(params, n=1, seed=seed)))
+        self.queues.fork(request, children)
+        return children
 
-
-def _advance_beams(scheduler: Scheduler, group: BeamGroup) -> bool:
-    """Apply the group's choice: beams chosen k times fork k - 1 copies, beams not chosen are freed. True when
-    that finished the group (all its beams are freed)."""
-    choices = group.select()
-    by_parent: dict[Request, list] = {}
-    for choice in choices:
-        by_parent.setdefault(choice.parent, []).append(choice)
-    for beam in group.beams:
-        beam.beam_candidates = None
-        if beam not in by_parent:
-            scheduler.running.remove(beam)
-            scheduler._finish(beam, RequestStatus.FINISHED_ABORTED)
-    beams = []
-    for parent, picks in by_parent.items():
-        # Forks copy the parent's tokens, so they are made before the parent takes its own next token.
-        for choice in picks[1:]:
-            child = parent.fork(group.next_beam_id(), 0)
-            scheduler.kv_cache_manager.fork(parent, child)
-            scheduler._track(child)
-            scheduler.running.insert(scheduler.running.index(parent) + 1, child)
-            child.append_output_token(choice.token_id)
-            child.cumulative_logprob = choice.cum_logprob
-            beams.append(child)
-        parent.append_output_token(picks[0].token_id)
-        parent.cumulative_logprob = picks[0].cum_logprob
-        beams.append(parent)
-    beams.sort(key=lambda b: b.cumulative_logprob, reverse=True)
-    group.beams = beams
-    if not group.is_done(scheduler.config.max_model_len):
-        return False
-    for beam in beams:
-        scheduler.running.remove(beam)
-        scheduler._finish(beam, RequestStatus.FINISHED_LENGTH)
-    group.finish()
-    return True
+    def _advance_beams(self, group: BeamGroup) -> bool:
+        """Apply the group's choice: beams chosen k times fork k - 1 copies, beams not chosen are freed. True when
+        that finished the group (all its beams are freed)."""
+        choices = group.select()
+        by_parent: dict[Request, list] = {}
+        for choice in choices:
+            by_parent.setdefault(choice.parent, []).append(choice)
+        for beam in group.beams:
+            beam.beam_candidates = None
+            if beam not in by_parent:
+                self.queues.finish(beam, RequestStatus.FINISHED_ABORTED)
+        beams = []
+        for parent, picks in by_parent.items():
+            # Forks copy the parent's tokens, so they are made before the parent takes its own next token.
+            for choice in picks[1:]:
+                child = parent.fork(group.next_beam_id(), 0)
+                self.queues.fork(parent, [child])
+                child.append_output_token(choice.token_id)
+                child.cumulative_logprob = choice.cum_logprob
+                beams.append(child)
+            parent.append_output_token(picks[0].token_id)
+            parent.cumulative_logprob = picks[0].cum_logprob
+            beams.append(parent)
+        beams.sort(key=lambda b: b.cumulative_logprob, reverse=True)
+        group.beams = beams
+        if not group.is_done(self.config.max_model_len):
+            return False
+        for beam in beams:
+            self.queues.finish(beam, RequestStatus.FINISHED_LENGTH)
+        group.finish()
+        return True
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:

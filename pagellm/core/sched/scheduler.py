@@ -1,8 +1,10 @@
 """Continuous batching under a token budget, with chunked prefill, prefix caching and preemption.
 
-The Scheduler owns the request queues (waiting, running, waiting for a grammar) and each request's lifecycle, and
-runs the step's two halves: `schedule` builds the next batch (which requests compute how many tokens, and what is
-preempted for them: sched_batch.py), and `update_from_output` applies its results (sched_results.py).
+The Scheduler is the engine's one entry point to scheduling, a facade over parts that own their state and never
+reach into one another: RequestQueues (queues.py) holds the live requests and their queues (waiting, running,
+waiting for a grammar) and makes every transition between them; BatchPlanner (batch.py) chooses each step's batch
+(which requests compute how many tokens, and what is preempted for them) and remembers the batches in flight;
+ResultApplier (results.py) applies a step's results. `schedule` and `update_from_output` are the step's two halves.
 
 With async scheduling (see async_scheduling.py) a running request may be scheduled again while a batch holding it
 is still out: it then continues from where that batch leaves it, its sampled token computed blind.
@@ -35,11 +37,10 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched.batch import (admit_compiled_grammars, admit_waiting, make_room_for_waiting, num_next_tokens,
-                                      num_sequences, num_slots_in_use, preempt_for_priority, schedule_running)
+from pagellm.core.sched.batch import BatchPlanner, num_sequences, num_slots_in_use
 from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
-from pagellm.core.sched.policy import SchedulingPolicy
-from pagellm.core.sched.results import apply_results
+from pagellm.core.sched.queues import RequestQueues
+from pagellm.core.sched.results import ResultApplier
 from pagellm.core.sched.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError
 from pagellm.metrics.stats import SchedulerStats
@@ -52,27 +53,46 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.structured_output_manager = structured_output_manager
-        self.waiting_for_fsm: list[Request] = []  # grammars compiling, in arrival order
-        self.policy = SchedulingPolicy(config)
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
-        self._finished_req_ids: list[str] = []
-        # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
-        # their part of the newest such batch: not preempted, nor scheduled again until their results are applied
-        # (with async scheduling: unless they may continue without them).
-        self.in_flight: dict[str, ScheduledRequest] = {}
-        self.num_preemptions_total = 0
-        self.groups: dict[str, set[str]] = {}  # group id -> ids of its live sequences
+        worker_view = WorkerView(kv_cache_manager)  # what the workers hold of each sequence
+        self.queues = RequestQueues(config, kv_cache_manager, worker_view)
+        self.planner = BatchPlanner(config, self.queues, kv_cache_manager, worker_view)
+        self.applier = ResultApplier(config, self.queues, kv_cache_manager)
+        # Ids the workers must drop that no batch has carried yet (a step with nothing to run is not sent).
+        self._unsent_dropped_ids: list[str] = []
         self._finished_beam_groups: list[BeamGroup] = []
-        self._failed_groups: dict[str, str] = {}  # group id -> why it failed, until taken
-        self.worker_view = WorkerView(kv_cache_manager)  # what the workers hold of each sequence
+
+    # ---- the parts' state, for readers -------------------------------------------------------------------
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.queues.requests
+
+    @property
+    def groups(self) -> dict[str, set[str]]:
+        return self.queues.groups
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
+
+    @property
+    def waiting_for_fsm(self) -> list[Request]:
+        return self.queues.waiting_for_fsm
+
+    @property
+    def in_flight(self) -> dict[str, ScheduledRequest]:
+        return self.planner.in_flight
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.queues.num_preemptions_total
 
     # ---- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
-        if request.group_id in self.groups or request.request_id in self.requests:
-            raise InvalidRequestError(f"Request id {request.group_id!r} is already in use; give each request a "
-                                      f"unique id.")
+        self.queues.check_id_unused(request)
         if beam_group is not None:
             request.beam_group = beam_group
             beam_group.beams = [request]
@@ -81,75 +101,46 @@ class Scheduler:
                 raise InvalidRequestError("This scheduler has no structured output manager; drop "
                                           "sampling_params.structured_outputs.")
             self.structured_output_manager.grammar_init(request.structured_output_request)
-            self._track(request)
-            self.waiting_for_fsm.append(request)
-            return
-        self._track(request)
-        self.waiting.append(request)
-
-    def _track(self, request: Request) -> None:
-        self.requests[request.request_id] = request
-        self.groups.setdefault(request.group_id, set()).add(request.request_id)
+        self.queues.add(request)
 
     def abort_requests(self, group_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
         """Finish every sequence of these requests (user request ids), aborted unless told otherwise."""
-        request_ids = [rid for gid in group_ids for rid in sorted(self.groups.get(gid, ()))]
-        return self.finish_requests(request_ids, status)
+        return self.queues.finish_groups(group_ids, status)
 
     def fail_requests(self, errors: dict[str, str]) -> None:
-        """Sequence id -> why it failed: fail the groups of those still live (see `_fail_groups`)."""
-        self._fail_groups({self.requests[rid].group_id: error for rid, error in errors.items()
-                           if rid in self.requests})
-
-    def _fail_groups(self, errors: dict[str, str]) -> None:
-        """Group id -> why it failed: finish every sequence of each group with FINISHED_ERROR (siblings too: the
-        user asked for them together) and keep the reason for `take_failed_groups`."""
-        for group_id, error in errors.items():
-            self._failed_groups.setdefault(group_id, error)
-            self.abort_requests([group_id], RequestStatus.FINISHED_ERROR)
+        """Sequence id -> why it failed: fail the groups of those still live (see `RequestQueues.fail`)."""
+        self.queues.fail({self.requests[rid].group_id: error for rid, error in errors.items()
+                          if rid in self.requests})
 
     def recover_from_failed_step(self, output: SchedulerOutput, error: str) -> None:
         """A step failed as a whole, perhaps before its block copies: fail the requests it ran, recompute the ones
         it swapped out instead of trusting their host copies, and forget cached blocks nobody holds."""
-        self._land(output)
+        self.planner.land(output)
         self.fail_requests({r.request_id: error for r in output.scheduled})
-        manager = self.kv_cache_manager
-        for request_id in output.preempted_req_ids:
-            request = self.requests.get(request_id)
-            if request is not None and manager.is_swapped_out(request):
-                manager.free(request)
-                request.num_computed_tokens = 0
-        manager.reset_prefix_cache()
+        self.queues.recompute_swapped(output.preempted_req_ids)
+        self.kv_cache_manager.reset_prefix_cache()
 
     def take_failed_groups(self) -> dict[str, str]:
-        failed, self._failed_groups = self._failed_groups, {}
-        return failed
+        return self.queues.take_failed_groups()
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus,
                         stop_reasons: dict[str, int | str] | None = None) -> list[Request]:
-        """Finish requests from outside the step (aborts; stop strings found in the detokenized text) and free
-        their blocks at once. Unknown or already finished ids are ignored. Returns the requests finished."""
-        assert status.is_finished, status
+        """Finish requests from outside the step (stop strings found in the detokenized text) and free their
+        blocks at once. Unknown or already finished ids are ignored. Returns the requests finished."""
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.WAITING_FOR_FSM:
-                self.waiting_for_fsm.remove(request)
-            else:
-                self.waiting.remove(request)
             if stop_reasons and request_id in stop_reasons:
                 request.stop_reason = stop_reasons[request_id]
-            self._finish(request, status)
+            self.queues.finish(request, status)
             finished.append(request)
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_fsm)
+        return self.queues.has_unfinished()
 
     @property
     def num_unfinished(self) -> int:
@@ -159,10 +150,7 @@ class Scheduler:
     def check_consistency(self) -> None:
         """Raise RuntimeError unless the queues hold exactly the live requests and the KV block accounting is
         exact."""
-        queues = (self.running, self.waiting, self.waiting_for_fsm)
-        queued = {r.request_id for queue in queues for r in queue}
-        if queued != set(self.requests) or len(queued) != sum(map(len, queues)):
-            raise RuntimeError("The scheduler's queues disagree with its live requests.")
+        self.queues.check_consistency()
         self.kv_cache_manager.check_consistency(set(self.requests))
 
     def num_waiting_for_capacity(self) -> int:
@@ -210,55 +198,20 @@ class Scheduler:
     def schedule(self, max_scheduled: int | None = None) -> SchedulerOutput:
         """The next batch: at most `max_scheduled` requests (a pipeline splits its requests into a batch per stage,
         so that the stages overlap), none of them in flight."""
-        admit_compiled_grammars(self)
-        output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
-        self._finished_req_ids = []
-        token_budget = self.config.max_num_batched_tokens
-        self.policy.order_waiting(self.waiting)
-        preempt_for_priority(self, output)
-        preempted_for_priority = len(output.preempted_req_ids)
-
-        limit = max_scheduled or sys.maxsize
-        token_budget = schedule_running(self, output, token_budget, limit)
-        # Admitting new work while running requests are short of blocks would only thrash the cache.
-        if len(output.preempted_req_ids) == preempted_for_priority:
-            admit_waiting(self, output, token_budget, limit)
-        if not output.scheduled and self.waiting and self.running and not self.in_flight:
-            make_room_for_waiting(self, output)
-            admit_waiting(self, output, token_budget, limit)
-        transfers = self.kv_cache_manager.take_transfers()
-        output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
-        output.blocks_to_copy = transfers.copies
-        self._mark_constrained(output)
+        self.queues.move_compiled_to_waiting()
+        output = SchedulerOutput(finished_req_ids=self._unsent_dropped_ids + self.queues.take_finished_req_ids())
+        self._unsent_dropped_ids = []
+        self.planner.plan(output, max_scheduled or sys.maxsize)
         if output.is_empty:
             # Nothing for the workers to do (everything is in flight): the sequences they drop go with the next
             # batch instead.
-            self._finished_req_ids = output.finished_req_ids + output.preempted_req_ids + self._finished_req_ids
+            self._unsent_dropped_ids = output.finished_req_ids + output.preempted_req_ids
             output.finished_req_ids, output.preempted_req_ids = [], []
-        self.in_flight.update((scheduled.request_id, scheduled) for scheduled in output.scheduled)
         return output
 
     def can_schedule_ahead(self) -> bool:
-        """Async scheduling: whether the next batch may be scheduled before the oldest in flight is collected, i.e.
-        no running request in flight must wait for its results (scheduling without it would leave it a step
-        behind)."""
-        return all(num_next_tokens(self.requests[request_id], flight, self.config) is not None
-                   for request_id, flight in self.in_flight.items()
-                   if request_id in self.requests and self.requests[request_id].status == RequestStatus.RUNNING)
-
-    def _land(self, output: SchedulerOutput) -> None:
-        """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them (that
-        one starts later in the sequence). `output` may be a copy (it travelled to a worker process and back)."""
-        for scheduled in output.scheduled:
-            flight = self.in_flight.get(scheduled.request_id)
-            if flight is not None and flight.num_computed_tokens <= scheduled.num_computed_tokens:
-                del self.in_flight[scheduled.request_id]
-
-    def _mark_constrained(self, output: SchedulerOutput) -> None:
-        """Name the sequences of this step that sample under a grammar."""
-        output.structured_output_request_ids = [
-            s.request_id for s in output.scheduled
-            if s.needs_sample and self.requests[s.request_id].structured_output_request is not None]
+        """Async scheduling: whether the next batch may be scheduled before the oldest in flight is collected."""
+        return self.planner.can_schedule_ahead()
 
     def start_grammar_bitmask(self, output: SchedulerOutput) -> Future[np.ndarray] | None:
         """Start computing the allowed tokens of the step's constrained sequences (one packed row each, in
@@ -278,27 +231,6 @@ class Scheduler:
         constrained = set(output.structured_output_request_ids)
         return any(s.pending_token and s.request_id in constrained for s in output.scheduled)
 
-    def _preempt(self, request: Request, to_front: bool = True) -> None:
-        """Swap the request's K/V out to the host tier (preemption_mode="swap", when the host tier has room and
-        the request is not a beam) or drop them to be recomputed, keep the tokens, and go back in line (to its
-        front under fcfs). The workers drop it; it is sent to them in full when it resumes."""
-        self.worker_view.forget(request.request_id)
-        manager = self.kv_cache_manager
-        if (self.config.preemption_mode == "swap" and request.beam_group is None
-                and manager.can_swap_out(request)):
-            manager.swap_out(request)
-        else:
-            manager.free(request)
-            request.num_computed_tokens = 0
-            request.beam_candidates = None  # sampled again after the recompute
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        if to_front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
-
     # ---- results -----------------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                            logprobs: dict[str, list] | None = None, prompt_logprobs: dict | None = None,
@@ -313,27 +245,16 @@ class Scheduler:
         fail with their groups (`fail_requests`) and are left out of the returned lists.
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
         self.kv_cache_manager.finish_step()  # the step's block copies are done
-        self._land(output)
+        self.planner.land(output)
         # Keyed by group: a sibling that finished earlier in this update must not hide its group's failure.
         errors = {self.requests[rid].group_id: error for rid, error in (failed or {}).items() if rid in self.requests}
-        updated, finished_groups = apply_results(self, output, sampled, logprobs, prompt_logprobs, errors)
+        updated, finished_groups = self.applier.apply(output, sampled, logprobs, prompt_logprobs, errors)
         self._finished_beam_groups += finished_groups
         if errors:
-            self._fail_groups(errors)
+            self.queues.fail(errors)
             updated = [r for r in updated if r.group_id not in errors]
         return updated, [r for r in updated if r.is_finished]
 
     def take_finished_beam_groups(self) -> list[BeamGroup]:
         groups, self._finished_beam_groups = self._finished_beam_groups, []
         return groups
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.worker_view.forget(request.request_id)
-        request.status = status
-        self.kv_cache_manager.free(request)
-        self._finished_req_ids.append(request.request_id)
-        del self.requests[request.request_id]
-        members = self.groups[request.group_id]
-        members.discard(request.request_id)
-        if not members:
-            del self.groups[request.group_id]
