@@ -12,6 +12,8 @@
 3. Validity: `--num-per-schema` sampled objects for each of 5 schemas (nested objects, arrays, enums, bounded
    numbers, required fields; strict, as OpenAI's strict mode requires: no undeclared properties), each parsed
    with `json` and validated with `jsonschema`.
+
+`--workload tools` measures tool calls instead (see structured_tools.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import random
 import statistics
 import time
 
+from pagellm.benchmarks import structured_tools
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -67,6 +70,9 @@ PROMPTS = {
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=["schemas", "tools"], default="schemas",
+                        help="schemas: the cost and validity of JSON-schema constraints; tools: the validity of "
+                             'tool_choice "required" calls')
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
@@ -74,6 +80,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating unconstrained / constrained runs")
     parser.add_argument("--num-per-schema", type=int, default=10)
     parser.add_argument("--dataset-seed", type=int, default=0)
+    structured_tools.add_cli_args(parser)
 
 
 def _decode_step_ms(engine: LLMEngine, prompts: list[dict], params: SamplingParams) -> list[float]:
@@ -184,8 +191,12 @@ def measure_validity(engine: LLMEngine, args: argparse.Namespace) -> tuple[int, 
     return valid, total
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> dict[float, float] | None:
+    """The tools workload returns its fraction of valid responses per temperature."""
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    if args.workload == "tools":
+        return structured_tools.measure_tool_calls(engine, args)
     measure_first_request(engine, args)
     measure_overhead(engine, args)
     measure_validity(engine, args)
+    return None

@@ -204,6 +204,14 @@ class ChatMessageParam(OpenAIBaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
+    @model_validator(mode="after")
+    def _tool_message_answers_a_call(self) -> ChatMessageParam:
+        # As OpenAI: a tool result that names no call cannot be matched to one (templates render it by that id).
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError("invalid_field", "Missing required parameter: {field} (a tool message "
+                                      "answers the call with that id)", {"field": "tool_call_id"})
+        return self
+
     def to_template_message(self) -> dict[str, Any]:
         """The message as chat templates expect it: text parts joined into one string; tool-call arguments as
         objects (templates render them with `tojson`), as vLLM passes them."""

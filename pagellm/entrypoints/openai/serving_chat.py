@@ -14,7 +14,7 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCom
 from pagellm.entrypoints.openai.serving_completion import LOGPROB_FLOOR
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing, accumulate, chain_first, usage
 from pagellm.entrypoints.openai.tool_calls import (ToolCallStreamer, extract_tool_calls, tool_call_constraint,
-                                                   tool_finish_reason, tool_mode)
+                                                   tool_mode)
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
 ROLE = "assistant"
@@ -63,12 +63,11 @@ class OpenAIServingChat(OpenAIServing):
 
     def _choice(self, request: ChatCompletionRequest, mode: str, index: int,
                 completion: CompletionOutput) -> ChatCompletionResponseChoice:
-        content, tool_calls = extract_tool_calls(mode, request, completion.text)
-        return ChatCompletionResponseChoice(index=index, message=ChatMessage(role=ROLE, content=content,
-                                                                             tool_calls=tool_calls),
+        extracted = extract_tool_calls(mode, request, completion.text)
+        return ChatCompletionResponseChoice(index=index, message=ChatMessage(role=ROLE, content=extracted.content,
+                                                                             tool_calls=extracted.tool_calls),
                                             logprobs=self._logprobs(request, completion),
-                                            finish_reason=tool_finish_reason(completion.finish_reason,
-                                                                             bool(tool_calls)),
+                                            finish_reason=extracted.finish_reason(completion.finish_reason),
                                             stop_reason=completion.stop_reason)
 
     async def _full(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,

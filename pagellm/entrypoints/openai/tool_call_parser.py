@@ -2,7 +2,8 @@
 objects (the constraint tool_calls.py puts on the output). As text arrives, each call gets its name once the name's
 string is complete, and the raw text of its parameters value as it grows, character by character. That raw text
 is the call's `function.arguments` whether streamed or not, so a stream reassembles byte for byte to the
-non-streamed call (a named function's arguments are the whole output, raw as well).
+non-streamed call (a named function's arguments are the whole output, raw as well). A call is complete once its
+object closes: an array cut short (max_tokens, a stop string) still made the calls before the cut.
 
 The scanner only tracks what it needs: string and escape state everywhere, nesting depth, and keys and values at
 the call objects' level (depth 2). Keys other than "name" and "parameters" are skipped."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 _CALL_LEVEL = 2  # inside the array (1) and a call object (2)
 _WHITESPACE = " \t\r\n"
@@ -20,6 +22,11 @@ class ParsedCall:
     name: str | None = None  # once its string is complete
     arguments: str = ""  # the raw text of the "parameters" value so far
     arguments_done: bool = False
+    closed: bool = False  # its object has closed
+
+    @property
+    def complete(self) -> bool:
+        return self.closed and self.name is not None and self.arguments_done
 
 
 @dataclass
@@ -45,10 +52,15 @@ class RequiredCallsParser:
         if self._value_start is not None and self._key == "parameters":  # every character read so far is in it
             self.calls[-1].arguments = self.text[self._value_start:]
 
-    def complete_calls(self) -> list[ParsedCall] | None:
-        """The calls, if the text is a whole array of complete calls (else None: cut short, or not calls)."""
-        whole = self.closed and not self.invalid and self.calls
-        return self.calls if whole and all(c.name is not None and c.arguments_done for c in self.calls) else None
+    def complete_calls(self) -> list[ParsedCall]:
+        """The complete calls so far, up to the first that is not (cut short, or not a call); none if the text is
+        not an array."""
+        return [] if self.invalid else list(takewhile(lambda call: call.complete, self.calls))
+
+    @property
+    def finished(self) -> bool:
+        """The text is a whole array of complete calls (not cut short)."""
+        return self.closed and bool(self.calls) and len(self.complete_calls()) == len(self.calls)
 
     def _step(self, i: int, c: str) -> None:
         if self._in_string:
@@ -86,6 +98,8 @@ class RequiredCallsParser:
             self._depth -= 1
             if self._depth == _CALL_LEVEL:
                 self._end_value(i + 1)
+            elif self._depth == _CALL_LEVEL - 1 and self.calls:
+                self.calls[-1].closed = True
             self.closed = self._depth == 0
         elif at_call_level and c in ":,":
             self._expect_key = c == ","
