@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from test_scheduler import EOS, TOKEN, blocks_of, ids, make_request
+from scheduler_factories import EOS, TOKEN, make_request, make_scheduler
+from test_scheduler import blocks_of, ids
 from test_scheduler_invariants import workloads
 
 from pagellm.config import SchedulerConfig
@@ -17,13 +18,6 @@ from pagellm.core.request import RequestStatus
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams
 from pagellm.worker.input_batch import InputBatch
-
-
-def make_async_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
-                         async_scheduling: bool = True) -> Scheduler:
-    config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
-                             async_scheduling=async_scheduling)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
 def sampled_for(out, tokens: dict[str, int] | None = None) -> dict[str, list[int]]:
@@ -37,8 +31,8 @@ def with_params(request, **changes):
 
 
 def test_a_decode_continues_blind_after_the_token_in_flight():
-    sched = make_async_scheduler(block_size=4)
-    sched.add_request(make_request("r", prompt_len=3, max_tokens=10))
+    sched = make_scheduler(async_scheduling=True, block_size=4)
+    sched.add_request(make_request("r", prompt=3, max_tokens=10))
     worker = InputBatch()
     first = sched.schedule()
     assert [(s.num_computed_tokens, s.num_tokens, s.pending_token) for s in first.scheduled] == [(0, 3, False)]
@@ -67,15 +61,15 @@ def test_a_decode_continues_blind_after_the_token_in_flight():
 
 
 def test_without_async_scheduling_a_request_in_flight_waits():
-    sched = make_async_scheduler(async_scheduling=False)
+    sched = make_scheduler(async_scheduling=False)
     sched.add_request(make_request("r"))
     sched.schedule()
     assert sched.schedule().is_empty
 
 
 def test_prompt_chunks_follow_each_other_without_waiting():
-    sched = make_async_scheduler(max_num_batched_tokens=4)
-    sched.add_request(make_request("r", prompt_len=10))
+    sched = make_scheduler(async_scheduling=True, max_num_batched_tokens=4)
+    sched.add_request(make_request("r", prompt=10))
     chunks = [sched.schedule() for _ in range(3)]
     assert [(s.num_computed_tokens, s.num_tokens, s.needs_sample, s.pending_token)
             for out in chunks for s in out.scheduled] == [(0, 4, False, False), (4, 4, False, False),
@@ -86,7 +80,7 @@ def test_prompt_chunks_follow_each_other_without_waiting():
 def test_requests_whose_next_step_depends_on_the_token_wait_for_it(kind):
     """Bad words are matched against the output on the host; the first sample of n > 1 forks; beams advance as a
     group: none of them continues blind, and the engine collects first (can_schedule_ahead is False)."""
-    sched = make_async_scheduler()
+    sched = make_scheduler(async_scheduling=True)
     request = make_request("r", max_tokens=8)
     if kind == "bad_words":
         request.bad_words_token_ids = [[5]]
@@ -104,14 +98,14 @@ def test_requests_whose_next_step_depends_on_the_token_wait_for_it(kind):
                          ids=["penalties", "min_tokens"])
 def test_penalties_and_min_tokens_continue_blind(params):
     """The worker counts the token in flight itself (tested end to end against the synchronous engine)."""
-    sched = make_async_scheduler()
+    sched = make_scheduler(async_scheduling=True)
     sched.add_request(with_params(make_request("r", max_tokens=8), **params))
     sched.schedule()
     assert sched.can_schedule_ahead() and [s.pending_token for s in sched.schedule().scheduled] == [True]
 
 
 def test_a_request_whose_token_in_flight_is_its_last_is_not_scheduled_again():
-    sched = make_async_scheduler()
+    sched = make_scheduler(async_scheduling=True)
     sched.add_request(make_request("r", max_tokens=1))
     first = sched.schedule()
     assert sched.can_schedule_ahead() and sched.schedule().is_empty
@@ -120,9 +114,9 @@ def test_a_request_whose_token_in_flight_is_its_last_is_not_scheduled_again():
 
 
 def test_eos_in_flight_drops_the_blind_step_and_frees_every_block():
-    sched = make_async_scheduler(block_size=2)
-    sched.add_request(make_request("r", prompt_len=4, max_tokens=10))
-    sched.add_request(make_request("s", prompt_len=3, max_tokens=10))
+    sched = make_scheduler(async_scheduling=True, block_size=2)
+    sched.add_request(make_request("r", prompt=4, max_tokens=10))
+    sched.add_request(make_request("s", prompt=3, max_tokens=10))
     first = sched.schedule()
     second = sched.schedule()
     assert ids(second.scheduled) == ["r", "s"]
@@ -141,9 +135,9 @@ def test_eos_in_flight_drops_the_blind_step_and_frees_every_block():
 def test_a_request_in_flight_is_never_preempted_and_a_full_pool_makes_it_wait():
     """The pool is full and the only candidates are in flight: the blind step is not scheduled (nobody may be
     preempted), and once the batch is back the usual preemption applies."""
-    sched = make_async_scheduler(num_blocks=2, block_size=4)
-    sched.add_request(make_request("a", prompt_len=4, max_tokens=10))
-    sched.add_request(make_request("b", prompt_len=4, max_tokens=10))
+    sched = make_scheduler(async_scheduling=True, num_blocks=2, block_size=4)
+    sched.add_request(make_request("a", prompt=4, max_tokens=10))
+    sched.add_request(make_request("b", prompt=4, max_tokens=10))
     first = sched.schedule()
     assert ids(first.scheduled) == ["a", "b"]
     assert sched.schedule().is_empty  # position 4 of each needs a third block
@@ -154,7 +148,7 @@ def test_a_request_in_flight_is_never_preempted_and_a_full_pool_makes_it_wait():
 
 
 def test_an_abort_in_flight_ignores_both_late_results():
-    sched = make_async_scheduler()
+    sched = make_scheduler(async_scheduling=True)
     sched.add_request(make_request("r", max_tokens=10))
     first, second = sched.schedule(), sched.schedule()
     sched.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)

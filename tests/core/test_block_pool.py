@@ -2,21 +2,14 @@
 from __future__ import annotations
 
 import pytest
+from scheduler_factories import make_request
 
 from pagellm.core.kv.block_pool import BlockPool
 from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
-from pagellm.core.request import Request
-from pagellm.sampling_params import SamplingParams
 
 # Double free is currently reported with `assert`; accept the usual exception types so that switching to an
 # explicit raise (which would survive `python -O`) does not break this test.
 DOUBLE_FREE_ERRORS = RuntimeError
-
-
-def make_request(request_id: str = "r0", prompt_len: int = 5, max_tokens: int = 8) -> Request:
-    return Request(request_id=request_id, prompt_token_ids=list(range(100, 100 + prompt_len)),
-                   sampling_params=SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({2}),
-                   max_tokens=max_tokens)
 
 
 def ids(blocks) -> list[int]:
@@ -174,7 +167,7 @@ class TestKVCacheManager:
 
     def test_prefill_allocates_cdiv_blocks(self):
         kv = KVCacheManager(num_blocks=10, block_size=4)
-        req = make_request(prompt_len=9)
+        req = make_request("r0", 9)
         assert kv.allocate_slots(req, 9)
         assert kv.get_block_ids("r0") == [0, 1, 2]
         assert kv.block_pool.num_free_blocks == 7
@@ -184,7 +177,7 @@ class TestKVCacheManager:
     def test_growth_is_exactly_the_missing_blocks(self, block_size):
         """Each call grows the table by cdiv(num_computed + new, block_size) - held, never shrinks it."""
         kv = KVCacheManager(num_blocks=64, block_size=block_size)
-        req = make_request(prompt_len=5)
+        req = make_request("r0", 5)
         steps = [5, 1, 1, 1, 3, 0, 7, 1, 1, 2]
         for new in steps:
             held = len(kv.get_block_ids("r0"))
@@ -199,7 +192,7 @@ class TestKVCacheManager:
 
     def test_allocate_slots_does_not_shrink(self):
         kv = KVCacheManager(num_blocks=8, block_size=4)
-        req = make_request()
+        req = make_request("r0", 5)
         assert kv.allocate_slots(req, 12)
         assert len(kv.get_block_ids("r0")) == 3
         assert kv.allocate_slots(req, 1)
@@ -208,7 +201,7 @@ class TestKVCacheManager:
 
     def test_decode_into_partial_block_needs_no_new_block(self):
         kv = KVCacheManager(num_blocks=8, block_size=4)
-        req = make_request(prompt_len=5)
+        req = make_request("r0", 5)
         assert kv.allocate_slots(req, 5)
         req.num_computed_tokens = 5
         for _ in range(3):  # positions 5, 6, 7 fit the second block
@@ -220,7 +213,7 @@ class TestKVCacheManager:
 
     def test_short_pool_returns_false_and_allocates_nothing(self):
         kv = KVCacheManager(num_blocks=4, block_size=4)
-        a, b = make_request("a"), make_request("b")
+        a, b = make_request("a", 5), make_request("b", 5)
         assert kv.allocate_slots(a, 8)  # 2 blocks
         assert kv.allocate_slots(b, 4)  # 1 block; 1 left
         b.num_computed_tokens = 4
@@ -231,7 +224,7 @@ class TestKVCacheManager:
         assert free_list(kv.block_pool) == free_ids
         assert [blk.ref_cnt for blk in kv.block_pool.blocks] == [1, 1, 1]  # block 3 never used yet
 
-        c = make_request("c")
+        c = make_request("c", 5)
         assert not kv.allocate_slots(c, 5)  # needs 2, 1 free
         assert kv.get_block_ids("c") == []
         assert kv.req_to_blocks.get("c", []) == []
@@ -245,7 +238,7 @@ class TestKVCacheManager:
 
     def test_free_returns_blocks_and_forgets_request(self):
         kv = KVCacheManager(num_blocks=6, block_size=2)
-        a, b = make_request("a"), make_request("b")
+        a, b = make_request("a", 5), make_request("b", 5)
         assert kv.allocate_slots(a, 5)
         assert kv.allocate_slots(b, 2)
         kv.free(a)
@@ -261,7 +254,7 @@ class TestKVCacheManager:
 
     def test_free_of_unknown_or_already_freed_request_is_harmless(self):
         kv = KVCacheManager(num_blocks=3, block_size=2)
-        req = make_request()
+        req = make_request("r0", 5)
         kv.free(req)  # never allocated
         assert kv.allocate_slots(req, 3)
         kv.free(req)
@@ -271,7 +264,7 @@ class TestKVCacheManager:
 
     def test_reallocation_after_free_starts_a_fresh_table(self):
         kv = KVCacheManager(num_blocks=4, block_size=4)
-        req = make_request(prompt_len=6)
+        req = make_request("r0", 6)
         assert kv.allocate_slots(req, 6)
         req.num_computed_tokens = 6
         kv.free(req)

@@ -5,17 +5,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from scheduler_factories import make_request
+
 from pagellm.core.kv.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request
-from pagellm.sampling_params import SamplingParams
 
 BS = 4
-
-
-def make_request(request_id: str, tokens: list[int], **params) -> Request:
-    return Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=SamplingParams(**params),
-                   eos_token_ids=frozenset(), max_tokens=8)
 
 
 def run_prefill(kv: KVCacheManager, request: Request) -> int:

@@ -3,33 +3,13 @@ sequence slots held for beam search forks."""
 from __future__ import annotations
 
 import pytest
+from scheduler_factories import TOKEN, make_request, make_scheduler
 
-from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
-from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched import policy as sched_policy
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
-
-TOKEN = 7
-
-
-def make_scheduler(policy: str, *, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
-                   max_wait: float = 10.0) -> Scheduler:
-    config = SchedulerConfig(max_model_len=128, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             scheduling_policy=policy, short_first_max_wait=max_wait)
-    return Scheduler(config, KVCacheManager(num_blocks, 4, enable_prefix_caching=False))
-
-
-def make_request(request_id: str, prompt_len: int = 4, max_tokens: int = 4, priority: int = 0,
-                 arrival: float | None = None) -> Request:
-    request = Request(request_id=request_id, prompt_token_ids=[100 + i for i in range(prompt_len)],
-                      sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                      eos_token_ids=frozenset(), max_tokens=max_tokens, priority=priority)
-    if arrival is not None:
-        request.arrival_time = arrival
-    return request
 
 
 def step(sched: Scheduler):
@@ -44,32 +24,32 @@ def scheduled_ids(out) -> list[str]:
 
 
 def test_priority_admits_lowest_value_first_then_by_arrival():
-    sched = make_scheduler("priority", max_num_seqs=2)
+    sched = make_scheduler(scheduling_policy="priority", max_model_len=128, max_num_seqs=2)
     for request_id, priority, arrival in [("late-high", 0, 3.0), ("low", 5, 1.0), ("early-high", 0, 2.0)]:
-        sched.add_request(make_request(request_id, priority=priority, arrival=arrival))
+        sched.add_request(make_request(request_id, max_tokens=4, priority=priority, arrival_time=arrival))
     assert scheduled_ids(step(sched)) == ["early-high", "late-high"]
 
 
 def test_higher_priority_arrival_preempts_the_lowest_priority_running_request():
-    sched = make_scheduler("priority", max_num_seqs=2)
-    sched.add_request(make_request("mid", priority=3, arrival=1.0, max_tokens=20))
-    sched.add_request(make_request("low", priority=5, arrival=2.0, max_tokens=20))
+    sched = make_scheduler(scheduling_policy="priority", max_model_len=128, max_num_seqs=2)
+    sched.add_request(make_request("mid", priority=3, arrival_time=1.0, max_tokens=20))
+    sched.add_request(make_request("low", priority=5, arrival_time=2.0, max_tokens=20))
     step(sched)
-    sched.add_request(make_request("urgent", priority=0, arrival=3.0))
+    sched.add_request(make_request("urgent", max_tokens=4, priority=0, arrival_time=3.0))
     out = step(sched)
     assert out.preempted_req_ids == ["low"]
     assert scheduled_ids(out) == ["mid", "urgent"]
     assert sched.requests["low"].status == RequestStatus.PREEMPTED
     # Equal priority never preempts: a second "mid" waits for a slot.
-    sched.add_request(make_request("mid2", priority=3, arrival=4.0))
+    sched.add_request(make_request("mid2", max_tokens=4, priority=3, arrival_time=4.0))
     assert step(sched).preempted_req_ids == []
 
 
 def test_priority_preempts_lowest_priority_when_blocks_run_out():
     """Four blocks: both requests grow, and the one of lower priority (not the newest) is preempted."""
-    sched = make_scheduler("priority", num_blocks=4)
-    sched.add_request(make_request("low", prompt_len=7, priority=9, arrival=1.0, max_tokens=20))
-    sched.add_request(make_request("high", prompt_len=7, priority=1, arrival=2.0, max_tokens=20))
+    sched = make_scheduler(scheduling_policy="priority", max_model_len=128, num_blocks=4)
+    sched.add_request(make_request("low", prompt=7, priority=9, arrival_time=1.0, max_tokens=20))
+    sched.add_request(make_request("high", prompt=7, priority=1, arrival_time=2.0, max_tokens=20))
     preempted = []
     for _ in range(3):
         preempted += step(sched).preempted_req_ids
@@ -77,10 +57,10 @@ def test_priority_preempts_lowest_priority_when_blocks_run_out():
 
 
 def test_short_first_orders_by_remaining_tokens():
-    sched = make_scheduler("short-first", max_num_seqs=1)
-    sched.add_request(make_request("long", prompt_len=40, max_tokens=40))
-    sched.add_request(make_request("short", prompt_len=4, max_tokens=2))
-    sched.add_request(make_request("medium", prompt_len=10, max_tokens=10))
+    sched = make_scheduler(scheduling_policy="short-first", max_model_len=128, max_num_seqs=1)
+    sched.add_request(make_request("long", prompt=40, max_tokens=40))
+    sched.add_request(make_request("short", prompt=4, max_tokens=2))
+    sched.add_request(make_request("medium", prompt=10, max_tokens=10))
     order = []
     while sched.has_unfinished_requests():
         for request_id in scheduled_ids(step(sched)):
@@ -96,11 +76,12 @@ def test_short_first_admits_a_long_request_within_the_ageing_bound(monkeypatch, 
     latest when the short request running at that moment finishes (two steps)."""
     clock = [0.0]
     monkeypatch.setattr(sched_policy.time, "monotonic", lambda: clock[0])
-    sched = make_scheduler("short-first", max_num_seqs=1, max_wait=max_wait)
-    sched.add_request(make_request("long", prompt_len=40, max_tokens=40, arrival=0.0))
+    sched = make_scheduler(scheduling_policy="short-first", max_model_len=128, max_num_seqs=1,
+                           short_first_max_wait=max_wait)
+    sched.add_request(make_request("long", prompt=40, max_tokens=40, arrival_time=0.0))
     started = None
     for n in range(200):
-        sched.add_request(make_request(f"short{n}", prompt_len=4, max_tokens=2, arrival=clock[0]))
+        sched.add_request(make_request(f"short{n}", prompt=4, max_tokens=2, arrival_time=clock[0]))
         if "long" in scheduled_ids(step(sched)):
             started = clock[0]
             break
@@ -111,11 +92,11 @@ def test_short_first_admits_a_long_request_within_the_ageing_bound(monkeypatch, 
 def test_first_beam_holds_slots_for_all_its_beams():
     """A beam search of width 3 holds three sequence slots from admission, so its forks never exceed
     max_num_seqs and a plain request waits instead."""
-    sched = make_scheduler("fcfs", max_num_seqs=3)
+    sched = make_scheduler(scheduling_policy="fcfs", max_model_len=128, max_num_seqs=3)
     params = BeamSearchParams(beam_width=3, max_tokens=4)
     beam = Request(request_id="b", prompt_token_ids=[100, 101, 102],
                    sampling_params=SamplingParams(temperature=0.0, logprobs=6, max_tokens=4, ignore_eos=True),
                    eos_token_ids=frozenset(), max_tokens=4)
     sched.add_request(beam, BeamGroup("b", params, frozenset()))
-    sched.add_request(make_request("plain"))
+    sched.add_request(make_request("plain", max_tokens=4))
     assert scheduled_ids(sched.schedule()) == ["b"]

@@ -4,33 +4,13 @@ from __future__ import annotations
 import weakref
 
 import pytest
+from scheduler_factories import EOS, TOKEN, make_request, make_scheduler
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.kv.kv_cache_manager import cdiv
+from pagellm.core.request import RequestStatus
 from pagellm.core.sched.scheduler import Scheduler
-from pagellm.sampling_params import SamplingParams
 from pagellm.worker.input_batch import InputBatch
-
-EOS = 2
-TOKEN = 7  # what the fake model samples unless told otherwise: never eos
-
-
-def make_request(request_id: str, prompt_len: int = 4, max_tokens: int = 16, *, ignore_eos: bool = False,
-                 stop_token_ids: tuple[int, ...] = (), eos: frozenset[int] = frozenset({EOS})) -> Request:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                            stop_token_ids=list(stop_token_ids))
-    # Prompt tokens are distinct from the fake samples so token_ids slices are easy to check.
-    return Request(request_id=request_id, prompt_token_ids=[100 + i for i in range(prompt_len)],
-                   sampling_params=params, eos_token_ids=eos, max_tokens=max_tokens)
-
-
-def make_scheduler(*, max_model_len: int = 64, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, chunked: bool = True) -> Scheduler:
-    config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
-
 
 _worker_views: weakref.WeakKeyDictionary[Scheduler, InputBatch] = weakref.WeakKeyDictionary()
 
@@ -106,7 +86,7 @@ def test_empty_scheduler_schedules_nothing():
 
 def test_prefill_then_decode_bookkeeping():
     sched = make_scheduler(block_size=4)
-    req = make_request("a", prompt_len=5, max_tokens=3)
+    req = make_request("a", prompt=5, max_tokens=3)
     sched.add_request(req)
     assert req.status == RequestStatus.WAITING and ids(sched.waiting) == ["a"]
 
@@ -198,7 +178,7 @@ def test_waiting_queue_is_fcfs_even_when_a_later_request_would_fit():
 # ---- chunked prefill -------------------------------------------------------------------------------------------
 def test_long_prompt_is_chunked_and_only_the_last_chunk_samples():
     sched = make_scheduler(max_num_batched_tokens=8, block_size=4)
-    req = make_request("a", prompt_len=20, max_tokens=2)
+    req = make_request("a", prompt=20, max_tokens=2)
     sched.add_request(req)
     seen = []
     for expected_start, expected_len, expected_sample in ((0, 8, False), (8, 8, False), (16, 4, True)):
@@ -230,7 +210,7 @@ def test_decodes_share_a_step_with_a_prefill_chunk():
     sched.add_request(a)
     sched.add_request(b)
     step(sched)
-    long = make_request("c", prompt_len=15, max_tokens=3)
+    long = make_request("c", prompt=15, max_tokens=3)
     sched.add_request(long)
     out, _, _ = step(sched)
     assert plan(out) == [("a", 1), ("b", 1), ("c", 6)]
@@ -244,7 +224,7 @@ def test_decodes_share_a_step_with_a_prefill_chunk():
 
 
 def test_without_chunked_prefill_a_prompt_larger_than_the_remaining_budget_waits():
-    sched = make_scheduler(max_model_len=16, max_num_batched_tokens=16, chunked=False, block_size=4)
+    sched = make_scheduler(max_model_len=16, max_num_batched_tokens=16, enable_chunked_prefill=False, block_size=4)
     a = make_request("a", 4, max_tokens=3)
     sched.add_request(a)
     step(sched)
@@ -266,7 +246,7 @@ def test_without_chunked_prefill_a_prompt_larger_than_the_remaining_budget_waits
 
 
 def test_without_chunked_prefill_a_prompt_that_fits_is_never_split():
-    sched = make_scheduler(max_model_len=32, max_num_batched_tokens=32, chunked=False)
+    sched = make_scheduler(max_model_len=32, max_num_batched_tokens=32, enable_chunked_prefill=False)
     for rid, n in (("a", 20), ("b", 10), ("c", 5)):
         sched.add_request(make_request(rid, n))
     out, _, _ = step(sched)
@@ -391,7 +371,7 @@ def test_eos_stops():
 
 def test_any_of_several_eos_ids_stops():
     sched = make_scheduler()
-    req = make_request("a", max_tokens=10, eos=frozenset({2, 3}))
+    req = make_request("a", max_tokens=10, eos_token_ids=frozenset({2, 3}))
     sched.add_request(req)
     _, _, finished = step(sched, {"a": 3})
     assert ids(finished) == ["a"] and req.finish_reason == "stop"
@@ -411,7 +391,7 @@ def test_ignore_eos_keeps_going_until_max_tokens():
 
 def test_no_eos_when_the_model_has_none():
     sched = make_scheduler()
-    req = make_request("a", max_tokens=3, eos=frozenset())
+    req = make_request("a", max_tokens=3, eos_token_ids=frozenset())
     sched.add_request(req)
     run_to_completion(sched)
     assert req.num_output_tokens == 3 and req.finish_reason == "length"
@@ -431,7 +411,7 @@ def test_stop_token_ids_stop_with_the_token_as_reason(ignore_eos):
 
 def test_stop_token_in_prompt_does_not_stop():
     sched = make_scheduler()
-    req = make_request("a", prompt_len=3, max_tokens=2, stop_token_ids=(101,))
+    req = make_request("a", prompt=3, max_tokens=2, stop_token_ids=(101,))
     sched.add_request(req)
     run_to_completion(sched)
     assert req.num_output_tokens == 2 and req.finish_reason == "length"
@@ -439,7 +419,7 @@ def test_stop_token_in_prompt_does_not_stop():
 
 def test_max_tokens_stops_with_length():
     sched = make_scheduler()
-    req = make_request("a", prompt_len=4, max_tokens=1)
+    req = make_request("a", prompt=4, max_tokens=1)
     sched.add_request(req)
     _, _, finished = step(sched)
     assert ids(finished) == ["a"] and req.output_token_ids == [TOKEN]
@@ -449,7 +429,7 @@ def test_max_tokens_stops_with_length():
 
 def test_max_model_len_stops_with_length():
     sched = make_scheduler(max_model_len=12)
-    req = make_request("a", prompt_len=9, max_tokens=100)
+    req = make_request("a", prompt=9, max_tokens=100)
     sched.add_request(req)
     assert run_to_completion(sched) == 3
     assert req.num_output_tokens == 3 and req.num_tokens == 12
@@ -458,8 +438,9 @@ def test_max_model_len_stops_with_length():
 
 def test_prompt_of_exactly_max_model_len_gets_one_token():
     # The input processor admits prompts of up to max_model_len tokens; such a prompt samples once and stops.
-    sched = make_scheduler(max_model_len=8, num_blocks=2, block_size=4, max_num_batched_tokens=8, chunked=False)
-    req = make_request("a", prompt_len=8, max_tokens=100)
+    sched = make_scheduler(max_model_len=8, num_blocks=2, block_size=4, max_num_batched_tokens=8,
+                           enable_chunked_prefill=False)
+    req = make_request("a", prompt=8, max_tokens=100)
     sched.add_request(req)
     assert run_to_completion(sched) == 1
     assert req.num_output_tokens == 1 and req.finish_reason == "length"
@@ -554,7 +535,7 @@ def test_batches_in_flight_never_share_a_request_and_are_never_preempted():
     result is ignored."""
     sched = make_scheduler(num_blocks=5, block_size=4)  # four 4-token prompts take 4 blocks: 1 left to grow
     for i in range(4):
-        sched.add_request(make_request(f"r{i}", prompt_len=4))
+        sched.add_request(make_request(f"r{i}", prompt=4))
     first = sched.schedule(max_scheduled=2)
     second = sched.schedule(max_scheduled=2)
     assert ids(first.scheduled) == ["r0", "r1"] and ids(second.scheduled) == ["r2", "r3"]

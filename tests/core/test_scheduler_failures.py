@@ -4,26 +4,11 @@ counts only the requests that truly wait for capacity."""
 from __future__ import annotations
 
 import pytest
+from scheduler_factories import TOKEN, make_request, make_scheduler
 
-from pagellm.config import SchedulerConfig
-from pagellm.core.kv.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.request import RequestStatus
 from pagellm.core.sched import results as sched_results
 from pagellm.core.sched.scheduler import Scheduler
-from pagellm.sampling_params import SamplingParams
-
-TOKEN = 7
-
-
-def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
-
-
-def make_request(request_id: str, prompt_len: int = 6, n: int = 1, stop_token_ids: tuple[int, ...] = ()) -> Request:
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=8, ignore_eos=True, stop_token_ids=list(stop_token_ids))
-    return Request(request_id=request_id, prompt_token_ids=list(range(100, 100 + prompt_len)),
-                   sampling_params=params, eos_token_ids=frozenset(), max_tokens=8)
 
 
 def step(sched: Scheduler, failed: dict[str, str] | None = None):
@@ -37,9 +22,9 @@ def used_blocks(sched: Scheduler) -> int:
 
 
 def test_a_request_whose_update_raises_fails_alone_with_its_whole_group(monkeypatch):
-    sched = make_scheduler()
-    sched.add_request(make_request("pair", n=2))
-    sched.add_request(make_request("other"))
+    sched = make_scheduler(num_blocks=32)
+    sched.add_request(make_request("pair", 6, 8, n=2))
+    sched.add_request(make_request("other", 6, 8))
     step(sched)  # prefill; "pair" forks into pair and pair/1, sharing blocks
     assert sched.groups["pair"] == {"pair", "pair/1"}
     check_stop = sched_results.check_stop
@@ -67,8 +52,8 @@ def test_a_request_whose_update_raises_fails_alone_with_its_whole_group(monkeypa
 def test_a_failure_after_a_sibling_finished_in_the_same_update_still_fails_the_group(monkeypatch):
     """The parent stops at its first token; applying its fork's token then raises. The failure is the group's,
     so the fork is freed and reported even though the sequence that was being updated is already finished."""
-    sched = make_scheduler()
-    sched.add_request(make_request("pair", n=2, stop_token_ids=(TOKEN,)))
+    sched = make_scheduler(num_blocks=32)
+    sched.add_request(make_request("pair", 6, 8, n=2, stop_token_ids=(TOKEN,)))
     check_stop = sched_results.check_stop
 
     def broken_for_the_fork(request, max_model_len):
@@ -86,10 +71,10 @@ def test_a_failure_after_a_sibling_finished_in_the_same_update_still_fails_the_g
 def test_the_slots_of_a_future_fork_are_held_through_a_chunked_prefill():
     """A 40-token prompt with n=4 prefills in 16-token chunks on 4 sequence slots: nothing else is admitted into
     its three future sequences' slots meanwhile."""
-    sched = make_scheduler(num_blocks=64, max_num_seqs=4, budget=16)
-    sched.add_request(make_request("four", prompt_len=40, n=4))
+    sched = make_scheduler(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
+    sched.add_request(make_request("four", 40, 8, n=4))
     for i in range(3):
-        sched.add_request(make_request(f"late{i}"))
+        sched.add_request(make_request(f"late{i}", 6, 8))
     most = 0
     while sched.has_unfinished_requests():
         step(sched)
@@ -99,9 +84,9 @@ def test_the_slots_of_a_future_fork_are_held_through_a_chunked_prefill():
 
 
 def test_worker_failures_fail_those_requests_and_no_others():
-    sched = make_scheduler()
+    sched = make_scheduler(num_blocks=32)
     for request_id in ("a", "b", "c"):
-        sched.add_request(make_request(request_id))
+        sched.add_request(make_request(request_id, 6, 8))
     updated, _ = step(sched, failed={"b": "ValueError: bad row"})
     assert [r.request_id for r in updated] == ["a", "c"]
     assert sched.take_failed_groups() == {"b": "ValueError: bad row"}
@@ -110,15 +95,15 @@ def test_worker_failures_fail_those_requests_and_no_others():
 
 
 def test_failing_an_unknown_or_finished_request_is_ignored():
-    sched = make_scheduler()
+    sched = make_scheduler(num_blocks=32)
     sched.fail_requests({"nobody": "gone"})
     assert sched.take_failed_groups() == {}
 
 
 def test_check_consistency_catches_broken_accounting():
-    sched = make_scheduler()
-    sched.add_request(make_request("a"))
-    sched.add_request(make_request("b"))
+    sched = make_scheduler(num_blocks=32)
+    sched.add_request(make_request("a", 6, 8))
+    sched.add_request(make_request("b", 6, 8))
     step(sched)
     sched.check_consistency()
     block = sched.kv_cache_manager.req_to_blocks["a"][0]
@@ -138,11 +123,11 @@ def test_check_consistency_catches_broken_accounting():
 def test_waiting_for_capacity_counts_only_what_cannot_start_now():
     sched = make_scheduler(num_blocks=12, max_num_seqs=4)
     for i in range(3):
-        sched.add_request(make_request(f"r{i}"))  # 2 blocks each
+        sched.add_request(make_request(f"r{i}", 6, 8))  # 2 blocks each
     assert sched.num_waiting_for_capacity() == 0  # a burst that fits is not a backlog
-    sched.add_request(make_request("late"))  # the fourth slot
+    sched.add_request(make_request("late", 6, 8))  # the fourth slot
     assert sched.num_waiting_for_capacity() == 0
-    sched.add_request(make_request("pair", n=2))  # will fork into two sequences: no two slots left
+    sched.add_request(make_request("pair", 6, 8, n=2))  # will fork into two sequences: no two slots left
     assert sched.num_waiting_for_capacity() == 1
     step(sched)
     assert len(sched.running) == 4 and sched.num_waiting_for_capacity() == 1
@@ -154,8 +139,8 @@ def test_waiting_for_capacity_counts_only_what_cannot_start_now():
     assert forked
 
     sched = make_scheduler(num_blocks=5, max_num_seqs=8)
-    sched.add_request(make_request("long", prompt_len=16))  # 4 blocks
-    sched.add_request(make_request("short", prompt_len=4))  # 1 block
-    sched.add_request(make_request("blocked", prompt_len=4))  # no block left
+    sched.add_request(make_request("long", 16, 8))  # 4 blocks
+    sched.add_request(make_request("short", 4, 8))  # 1 block
+    sched.add_request(make_request("blocked", 4, 8))  # no block left
     assert sched.num_waiting_for_capacity() == 1
     assert sched.requests["blocked"].status == RequestStatus.WAITING

@@ -6,20 +6,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from scheduler_factories import make_request, make_scheduler
 
-from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
-
-
-def make_scheduler(num_blocks: int, block_size: int = 4, max_model_len: int = 64, max_num_seqs: int = 16,
-                   budget: int = 32) -> Scheduler:
-    config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=budget, enable_chunked_prefill=True)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
 def assert_ref_counts_match_tables(kv: KVCacheManager) -> None:
@@ -33,15 +26,9 @@ def assert_ref_counts_match_tables(kv: KVCacheManager) -> None:
 
 
 # ---- copy-on-write -------------------------------------------------------------------------------------------
-def make_request(request_id: str, prompt_len: int, n: int = 1, max_tokens: int = 8) -> Request:
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(request_id=request_id, prompt_token_ids=list(range(100, 100 + prompt_len)),
-                   sampling_params=params, eos_token_ids=frozenset(), max_tokens=max_tokens)
-
-
 def forked_pair(kv: KVCacheManager, prompt_len: int) -> tuple[Request, Request]:
     """A request whose prompt is in the cache, and a fork of it sharing its blocks."""
-    parent = make_request("p", prompt_len=prompt_len)
+    parent = make_request("p", prompt_len, 8, ignore_eos=True)
     assert kv.allocate_slots(parent, prompt_len)
     parent.num_computed_tokens = prompt_len
     child = parent.fork("p/1", 1)
@@ -91,8 +78,8 @@ def test_copy_on_write_without_a_free_block_changes_nothing():
 
 # ---- n > 1 ---------------------------------------------------------------------------------------------------
 def test_n_forks_at_the_first_sample():
-    sched = make_scheduler(num_blocks=32)
-    sched.add_request(make_request("r", prompt_len=6, n=3, max_tokens=2))
+    sched = make_scheduler(num_blocks=32, max_num_seqs=16, max_num_batched_tokens=32)
+    sched.add_request(make_request("r", 6, 2, n=3, ignore_eos=True))
     out = sched.schedule()
     (scheduled,) = out.scheduled
     assert scheduled.num_samples == 3
@@ -111,8 +98,8 @@ def test_n_forks_at_the_first_sample():
 
 
 def test_abort_by_request_id_aborts_every_sequence():
-    sched = make_scheduler(num_blocks=32)
-    sched.add_request(make_request("r", prompt_len=5, n=4))
+    sched = make_scheduler(num_blocks=32, max_num_seqs=16, max_num_batched_tokens=32)
+    sched.add_request(make_request("r", 5, 8, n=4, ignore_eos=True))
     out = sched.schedule()
     sched.update_from_output(out, {"r": [1, 2, 3, 4]})
     aborted = sched.abort_requests(["r"])
@@ -122,10 +109,10 @@ def test_abort_by_request_id_aborts_every_sequence():
 
 
 def test_duplicate_request_id_is_rejected():
-    sched = make_scheduler(num_blocks=8)
-    sched.add_request(make_request("r", prompt_len=3))
+    sched = make_scheduler(num_blocks=8, max_num_seqs=16, max_num_batched_tokens=32)
+    sched.add_request(make_request("r", 3, 8, ignore_eos=True))
     with pytest.raises(ValueError, match="already in use"):
-        sched.add_request(make_request("r", prompt_len=3))
+        sched.add_request(make_request("r", 3, 8, ignore_eos=True))
 
 
 # ---- beam groups ---------------------------------------------------------------------------------------------
@@ -139,7 +126,7 @@ def fake_candidates(tokens: list[int], k: int) -> tuple[list[int], list[float], 
 
 def run_beam_groups(num_blocks: int, prompts: list[list[int]], params: BeamSearchParams,
                     max_num_seqs: int = 8) -> tuple[dict, Scheduler]:
-    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, budget=16)
+    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
     groups = {}
     for i, prompt in enumerate(prompts):
         request = Request(request_id=f"g{i}", prompt_token_ids=prompt,
@@ -181,7 +168,7 @@ def test_held_beams_make_room_for_a_queued_sibling():
     """Built by hand: beams a1, a2 wait for a3, which is queued and does not fit because c1 (another group's
     beam, also waiting for a sibling) holds the rest of the pool. Nothing can run, so c1 is preempted to the
     back of the queue and a3 is admitted."""
-    sched = make_scheduler(num_blocks=6)
+    sched = make_scheduler(num_blocks=6, max_num_seqs=16, max_num_batched_tokens=32)
     kv = sched.kv_cache_manager
     params = SamplingParams(temperature=0.0, logprobs=2, ignore_eos=True)
 

@@ -14,15 +14,14 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
+from scheduler_factories import EOS, make_request
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.scheduler import Scheduler
-from pagellm.sampling_params import SamplingParams
 from pagellm.worker.input_batch import InputBatch
 
-EOS = 2
 STOP = 3
 MAX_MODEL_LEN = 256
 SHARED_PREFIX = 64
@@ -49,10 +48,8 @@ class Spec:
         return (shared + own)[:self.prompt_len]
 
     def make_request(self) -> Request:
-        params = SamplingParams(n=self.n, temperature=1.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                                stop_token_ids=[STOP] if self.use_stop else [])
-        return Request(request_id=self.request_id, prompt_token_ids=self.prompt, sampling_params=params,
-                       eos_token_ids=frozenset({EOS}), max_tokens=self.max_tokens, priority=self.priority)
+        return make_request(self.request_id, self.prompt, self.max_tokens, priority=self.priority, n=self.n,
+                            temperature=1.0, ignore_eos=self.ignore_eos, stop_token_ids=[STOP] if self.use_stop else [])
 
     def token(self, index: int, k: int) -> int:
         """What the fake model samples as output token k of sequence `index`: the plan for the first sequence, a

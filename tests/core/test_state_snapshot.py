@@ -5,25 +5,12 @@ from __future__ import annotations
 
 import json
 
-from pagellm.config import SchedulerConfig
-from pagellm.core.kv.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request
+from scheduler_factories import make_request, make_scheduler
+
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.core.state_snapshot import MAX_LISTED_REQUESTS, engine_state
-from pagellm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
-
-
-def make_request(request_id: str, prompt: list[int], max_tokens: int = 8, priority: int = 0) -> Request:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                   eos_token_ids=frozenset(), max_tokens=max_tokens, priority=priority)
-
-
-def make_scheduler(num_blocks: int, num_host_blocks: int = 0) -> Scheduler:
-    config = SchedulerConfig(max_model_len=64, max_num_seqs=16, max_num_batched_tokens=64)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, num_host_blocks=num_host_blocks))
 
 
 def run_step(scheduler: Scheduler, token: int = 7) -> None:
@@ -56,12 +43,12 @@ def assert_matches_manager(state: dict, scheduler: Scheduler) -> None:
 
 
 def test_snapshot_of_prefix_hits_forks_and_finished_requests():
-    scheduler = make_scheduler(num_blocks=32)
+    scheduler = make_scheduler(num_blocks=32, block_size=BLOCK_SIZE, prefix_caching=True, max_num_seqs=16)
     shared_prefix = list(range(100, 112))  # three full blocks
-    scheduler.add_request(make_request("a", shared_prefix + [1, 2]))
+    scheduler.add_request(make_request("a", shared_prefix + [1, 2], 8))
     run_step(scheduler)
     run_step(scheduler)  # "a" decodes, its three prompt blocks are cached
-    scheduler.add_request(make_request("b", shared_prefix + [3], priority=2))
+    scheduler.add_request(make_request("b", shared_prefix + [3], 8, priority=2))
     run_step(scheduler)  # "b" takes the cached prefix: those blocks are held twice
     state = engine_state(scheduler)
     assert_matches_manager(state, scheduler)
@@ -79,8 +66,9 @@ def test_snapshot_of_prefix_hits_forks_and_finished_requests():
 
 
 def test_snapshot_lists_host_blocks_of_a_swapped_out_request_and_caps_the_queues():
-    scheduler = make_scheduler(num_blocks=8, num_host_blocks=1000)
-    request = make_request("r", list(range(200, 210)))
+    scheduler = make_scheduler(num_blocks=8, num_host_blocks=1000, block_size=BLOCK_SIZE, prefix_caching=True,
+                               max_num_seqs=16)
+    request = make_request("r", list(range(200, 210)), 8)
     scheduler.add_request(request)
     run_step(scheduler)
     scheduler.running.remove(request)
@@ -95,6 +83,6 @@ def test_snapshot_lists_host_blocks_of_a_swapped_out_request_and_caps_the_queues
     assert waiting["host_blocks"] == [0, 1, 2] and waiting["blocks"] == []
 
     for i in range(MAX_LISTED_REQUESTS + 5):
-        scheduler.add_request(make_request(f"w{i}", [1, 2, 3]))
+        scheduler.add_request(make_request(f"w{i}", [1, 2, 3], 8))
     state = engine_state(scheduler)
     assert state["num_waiting"] == MAX_LISTED_REQUESTS + 6 and len(state["waiting"]) == MAX_LISTED_REQUESTS

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scheduler_factories import make_request
 
-from pagellm.core.request import Request
 from pagellm.engine.core_output import EngineCoreOutput
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.output_processor import OutputProcessor
@@ -116,18 +116,13 @@ def test_streamed_text_is_never_retracted(tokenizer, cat, data, include):
         assert stop is None and text == full
 
 
-def make_request(params: SamplingParams, request_id: str = "r") -> Request:
-    return Request(request_id=request_id, prompt_token_ids=[1, 2, 3], sampling_params=params,
-                   eos_token_ids=frozenset({2}), max_tokens=params.max_tokens)
-
-
 def core_output(token_id: int, finish_reason: str | None = None, request_id: str = "r") -> EngineCoreOutput:
     return EngineCoreOutput(request_id, request_id, 0, [token_id], finish_reason=finish_reason)
 
 
 def test_output_processor_reports_stop_and_streams_safe_text(tokenizer, hello):
     processor = OutputProcessor(tokenizer)
-    processor.add_request(make_request(SamplingParams(stop=["again"], max_tokens=10)))
+    processor.add_request(make_request("r", [1, 2, 3], params=SamplingParams(stop=["again"], max_tokens=10)))
     seen, tokens = [], []
     for token_id in hello:
         result = processor.process_outputs([core_output(token_id)], delta=True)
@@ -144,7 +139,7 @@ def test_output_processor_reports_stop_and_streams_safe_text(tokenizer, hello):
 
 def test_output_processor_length_finish_with_stop_in_last_token(tokenizer, hello):
     processor = OutputProcessor(tokenizer)
-    processor.add_request(make_request(SamplingParams(stop=["world"], max_tokens=2)))
+    processor.add_request(make_request("r", [1, 2, 3], params=SamplingParams(stop=["world"], max_tokens=2)))
     processor.process_outputs([core_output(hello[0])])
     # The scheduler ended it by length in the same step.
     result = processor.process_outputs([core_output(hello[1], finish_reason="length")])
@@ -156,7 +151,7 @@ def test_output_processor_length_finish_with_stop_in_last_token(tokenizer, hello
 
 def test_output_processor_without_detokenize(tokenizer, hello):
     processor = OutputProcessor(tokenizer)
-    processor.add_request(make_request(SamplingParams(detokenize=False, max_tokens=3)))
+    processor.add_request(make_request("r", [1, 2, 3], params=SamplingParams(detokenize=False, max_tokens=3)))
     outputs = [core_output(t, finish_reason="length" if i == len(hello) - 1 else None) for i, t in enumerate(hello)]
     (output,) = processor.process_outputs(outputs).request_outputs
     assert output.outputs[0].text == "" and output.outputs[0].finish_reason == "length"
@@ -165,7 +160,7 @@ def test_output_processor_without_detokenize(tokenizer, hello):
 def test_output_processor_groups_n_sequences(tokenizer, hello):
     """n = 2: one RequestOutput per step; finished only when both sequences are, with both completions."""
     processor = OutputProcessor(tokenizer)
-    processor.add_request(make_request(SamplingParams(n=2, max_tokens=3)))
+    processor.add_request(make_request("r", [1, 2, 3], params=SamplingParams(n=2, max_tokens=3)))
     first = processor.process_outputs([core_output(hello[0]), EngineCoreOutput("r/1", "r", 1, [hello[1]])])
     (output,) = first.request_outputs
     assert [c.index for c in output.outputs] == [0, 1] and not output.finished

@@ -11,12 +11,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from scheduler_factories import make_request, make_scheduler
 
-from pagellm.config import SchedulerConfig, StructuredOutputsConfig
-from pagellm.core.kv.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request, RequestStatus
+from pagellm.config import StructuredOutputsConfig
+from pagellm.core.request import RequestStatus
 from pagellm.core.sched.output import GrammarOutput
-from pagellm.core.sched.scheduler import Scheduler
 from pagellm.exceptions import InvalidRequestError
 from pagellm.model_executor.layers.logits_processors import mask_disallowed, unpack_disallowed
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -188,18 +187,12 @@ class _ModelConfig:
     vocab_size = VOCAB
 
 
-def make_request(request_id: str, params: SamplingParams) -> Request:
-    return Request(request_id=request_id, prompt_token_ids=[100, 101, 102], sampling_params=params,
-                   eos_token_ids=frozenset({EOS}), max_tokens=params.max_tokens)
-
-
 def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, tokenizer):
     manager = SlowManager(_ModelConfig(), backend)
-    config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
-    sched = Scheduler(config, KVCacheManager(64, 4, enable_prefix_caching=False), manager)
-    constrained = make_request("c", SamplingParams(n=2, temperature=1.0, max_tokens=10,
+    sched = make_scheduler(structured_output_manager=manager)
+    constrained = make_request("c", 3, params=SamplingParams(n=2, temperature=1.0, max_tokens=10,
                                                    structured_outputs=StructuredOutputsParams(choice=CHOICES)))
-    free = make_request("f", SamplingParams(temperature=0.0, max_tokens=10))
+    free = make_request("f", 3, params=SamplingParams(temperature=0.0, max_tokens=10))
     sched.add_request(constrained)
     sched.add_request(free)
     worker = InputBatch()
@@ -245,16 +238,15 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(backend):
             raise ValueError("no such grammar")
 
     manager = FailingManager(_ModelConfig(), StructuredOutputsConfig())
-    config = SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64)
-    sched = Scheduler(config, KVCacheManager(64, 4, enable_prefix_caching=False), manager)
-    request = make_request("c", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+    sched = make_scheduler(structured_output_manager=manager)
+    request = make_request("c", 3, params=SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
     sched.add_request(request)
     manager.wait_for_any([request.structured_output_request], 10)
     assert sched.schedule().is_empty
     assert sched.take_failed_groups() == {"c": "ValueError: no such grammar"}
     assert not sched.has_unfinished_requests()
     # The failed compilation is cached like any other: the same text fails again without a second compile.
-    again = make_request("d", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+    again = make_request("d", 3, params=SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
     manager.grammar_init(again.structured_output_request)
     assert again.structured_output_request.compiled is request.structured_output_request.compiled is not None
 
