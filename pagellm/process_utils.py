@@ -1,10 +1,95 @@
-"""Helpers for the child processes pagellm spawns (worker ranks, engine replicas): dying with the parent, and
-being stopped by it."""
+"""Helpers for the child processes pagellm starts (worker ranks, engine replicas): how worker ranks are started,
+running a child's work on a fresh thread, dying with the parent, and being stopped by it.
+
+The worker ranks' start method, as vLLM picks it: fork where that is safe, since a forked child starts at once and
+never imports the main script again (so a script without an `if __name__ == '__main__':` guard works); else spawn,
+with a warning, since each spawned child imports the main script again. Fork is unsafe on other systems than Linux,
+when CUDA is initialised (a forked child cannot use it), when torch.distributed is (the child would inherit the
+parent's process group), and while other threads run (the child would inherit any lock they hold, with no thread to
+release it). Threads that only wait (marked with `quiet_thread`, and tqdm's monitor) do not count.
+PAGELLM_WORKER_MULTIPROC_METHOD=fork|spawn|forkserver overrides the choice, as vLLM's VLLM_WORKER_MULTIPROC_METHOD
+does.
+"""
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
+import os
 import signal
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagellm.logger import init_logger
+
+logger = init_logger(__name__)
+
+MULTIPROC_METHOD_VARIABLE = "PAGELLM_WORKER_MULTIPROC_METHOD"
+MULTIPROC_METHODS = ("fork", "spawn", "forkserver")
+GUARD = "if __name__ == '__main__':"
+
+_quiet_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def get_mp_context() -> BaseContext:
+    """The context to start worker ranks with: the method PAGELLM_WORKER_MULTIPROC_METHOD names, else fork where
+    it is safe, else spawn."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # the flag multiprocessing's own check reads
+        # A spawned child importing the main script: that script would start pagellm again in every child.
+        raise RuntimeError(f"pagellm was started while this process, a child started with spawn or forkserver, "
+                           f"imports the main script again. Wrap the script's entry point in `{GUARD}`.")
+    method = os.environ.get(MULTIPROC_METHOD_VARIABLE) or None
+    if method is None:
+        reason = _fork_unsafe_reason()
+        if reason is not None:
+            _log_spawn(reason)
+        method = "spawn" if reason else "fork"
+    elif method not in MULTIPROC_METHODS:
+        raise ValueError(f"{MULTIPROC_METHOD_VARIABLE} must be one of {', '.join(MULTIPROC_METHODS)} (or unset), "
+                         f"got {method!r}.")
+    return multiprocessing.get_context(method)
+
+
+def startup_hint(context: BaseContext) -> str:
+    """A sentence for the error when a child started by `context` dies while starting: under spawn or forkserver it
+    may have died importing the main script."""
+    if context.get_start_method() == "fork" or not _main_is_imported_again():
+        return ""
+    return (f" A child started with {context.get_start_method()} first imports the main script again: if the script "
+            f"starts pagellm at import time, wrap its entry point in `{GUARD}`.")
+
+
+def quiet_thread(thread: threading.Thread) -> threading.Thread:
+    """Mark `thread` as one that only waits (on a process, a pipe or a thread) holding no lock a child would need:
+    it does not make forking unsafe."""
+    _quiet_threads.add(thread)
+    return thread
+
+
+def run_on_new_thread(target: Callable[..., None], *args: Any) -> None:
+    """A child's work: `target(*args)` on a new thread, raising what it raised. A forked child's main thread keeps the
+    parent's OpenMP pool (GNU libgomp, torch's intra-op threads), whose threads did not survive the fork: its next
+    parallel region would wait for them forever. A new thread gets a pool of its own."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target(*args)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=multiprocessing.current_process().name)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
 
 
 def die_with_parent() -> None:
@@ -24,3 +109,42 @@ def kill_processes(processes: list[BaseProcess]) -> None:
         if process.is_alive():
             process.kill()
         process.join()
+
+
+def _fork_unsafe_reason() -> str | None:
+    if sys.platform != "linux":
+        return f"fork is not safe on {sys.platform}"
+    if torch.cuda.is_initialized():
+        return "CUDA is initialized in this process, and a forked child cannot use it"
+    if dist.is_available() and dist.is_initialized():
+        return "torch.distributed is initialized in this process, and a forked child would inherit its process group"
+    current = threading.current_thread()
+    others = [thread.name for thread in threading.enumerate() if thread is not current and not _is_quiet(thread)]
+    if others:
+        return (f"other threads run in this process ({', '.join(others)}), and a forked child would inherit any lock "
+                f"they hold")
+    return None
+
+
+def _is_quiet(thread: threading.Thread) -> bool:
+    # tqdm's monitor (any progress bar starts it, a disabled one too, and it outlives them) only refreshes bars.
+    return thread in _quiet_threads or type(thread).__module__ == "tqdm._monitor"
+
+
+def _main_is_imported_again() -> bool:
+    """Whether spawn imports the main module again in each child, as multiprocessing.spawn decides: a script or a
+    module run with `python -m`, but not a package's `__main__`, `python -c`, an interactive session or IPython."""
+    main = sys.modules["__main__"]
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return name != "__main__" and not name.endswith(".__main__")
+    path = getattr(main, "__file__", None)
+    return path is not None and os.path.splitext(os.path.basename(path))[0] != "ipython"
+
+
+def _log_spawn(reason: str) -> None:
+    guard = (f" Each child imports the main script again: wrap its entry point in `{GUARD}`."
+             if _main_is_imported_again() else "")
+    log = logger.warning if guard else logger.info
+    log("Starting child processes with spawn, not fork: %s.%s %s=%s picks the method.", reason, guard,
+        MULTIPROC_METHOD_VARIABLE, "|".join(MULTIPROC_METHODS))

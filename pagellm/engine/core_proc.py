@@ -41,7 +41,9 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, max_waiting_requests: int | None = None, engine_index: int = 0) -> None:
         self.engine_index = engine_index
-        context = multiprocessing.get_context("spawn")  # fork would copy the server's threads and torch state
+        # Spawned, not forked where safe as worker ranks are (process_utils): the server that starts replicas has the
+        # `__main__` guard, and a fresh interpreter keeps its threads and state out. A replica may fork its own ranks.
+        context = multiprocessing.get_context("spawn")
         self._conn, child_end = context.Pipe()
         # Not daemonic: a replica with tp x pp > 1 starts worker processes of its own.
         self.process: BaseProcess = context.Process(target=_run_engine_core, name=f"pagellm-engine-{engine_index}",

@@ -1,23 +1,24 @@
 """One worker process per rank on this machine (`--distributed-executor-backend mp`).
 
-Each rank is a spawned process running a Worker; the ranks form a torch.distributed group (see distributed/)
-for the model's collectives. The engine talks to them over one pipe each: every call is pickled once and its
-bytes written to every pipe; each rank answers on its own pipe (only the output rank, the last pipeline stage's
-first tensor-parallel rank, with the step's result). A step with constrained sequences sends the output rank a
-second message, `sample_tokens` with the grammar bitmask, once the engine has computed it while the ranks run the
-forward pass; the rank reads it after its forward pass (its pipe keeps the order, also with several batches in
-flight) and answers both calls. Steps without constraints send nothing more.
+Each rank is a child process running a Worker, forked where that is safe, else spawned (see process_utils); a forked
+rank never imports the main script, so a script without a `__main__` guard works. The ranks form a torch.distributed
+group (see distributed/) for the model's collectives. The engine talks to them over one pipe each: every call is
+pickled once and its bytes written to every pipe; each rank answers on its own pipe (only the output rank, the last
+pipeline stage's first tensor-parallel rank, with the step's result). A step with constrained sequences sends the
+output rank a second message, `sample_tokens` with the grammar bitmask, once the engine has computed it while the
+ranks run the forward pass; the rank reads it after its forward pass (its pipe keeps the order, also with several
+batches in flight) and answers both calls. Steps without constraints send nothing more.
 
-Failure is noticed fast. A monitor thread waits on the processes' sentinels: when a worker exits while the
-executor runs, the executor is marked dead, the failure callbacks run (the server turns /health to 503 even when
-idle), and the other ranks are killed (they would wait forever in a collective with the dead one). A call in
-progress notices within 50 ms. Worker processes also die with the engine process (PR_SET_PDEATHSIG on Linux), so
-no orphan is left behind even if the engine is killed.
+Failure is noticed fast. A monitor thread waits on the processes' sentinels: when a worker exits while the executor
+runs, the executor is marked dead, the failure callbacks run (the server turns /health to 503 even when idle), and
+the other ranks are killed (they would wait forever in a collective with the dead one). A call in progress notices
+within 50 ms. Worker processes also die with the engine process (PR_SET_PDEATHSIG on Linux), so no orphan is left
+behind even if the engine is killed. A rank that dies while starting under spawn may have died importing the main
+script: the error then says to add the guard.
 """
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import pickle
 import signal
 import socket
@@ -38,7 +39,14 @@ from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
-from pagellm.process_utils import die_with_parent, kill_processes
+from pagellm.process_utils import (
+    die_with_parent,
+    get_mp_context,
+    kill_processes,
+    quiet_thread,
+    run_on_new_thread,
+    startup_hint,
+)
 from pagellm.worker.model_runner import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -58,7 +66,8 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._closing = False
-        context = multiprocessing.get_context("spawn")  # fork would copy the engine's threads and torch state
+        context = get_mp_context()
+        self._startup_hint = startup_hint(context)  # for a rank that dies before the workers are ready
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.workers: list[_WorkerProcess] = []
         for rank in range(config.parallel_config.world_size):
@@ -72,9 +81,10 @@ class MultiprocExecutor(Executor):
         self._sampled_apart: deque[bool] = deque()  # per submitted step: does its sampling wait for a bitmask?
         # An executor dropped without shutdown() (an LLM going out of scope) still stops its processes.
         self._finalizer = weakref.finalize(self, kill_processes, [worker.process for worker in self.workers])
-        threading.Thread(target=_monitor, args=(weakref.ref(self), self.workers), name="pagellm-worker-monitor",
-                         daemon=True).start()
+        quiet_thread(threading.Thread(target=_monitor, args=(weakref.ref(self), self.workers),
+                                      name="pagellm-worker-monitor", daemon=True)).start()
         self._start_workers()
+        self._startup_hint = ""
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self._send_all(method, args)
@@ -142,11 +152,11 @@ class MultiprocExecutor(Executor):
     def _receive(self, worker: _WorkerProcess) -> Any:
         while not worker.conn.poll(_POLL_SECONDS):
             if self._failure is not None or not worker.process.is_alive():
-                raise EngineDeadError(self._failure or self._fail(_exit_message(worker)))
+                raise EngineDeadError(self._failure or self._fail(self._exit_message(worker)))
         try:
             status, payload = pickle.loads(worker.conn.recv_bytes())
         except (EOFError, OSError) as exc:  # its end of the pipe closed: it is exiting
-            raise EngineDeadError(self._failure or self._fail(_exit_message(worker))) from exc
+            raise EngineDeadError(self._failure or self._fail(self._exit_message(worker))) from exc
         if status == "error":
             message = f"Worker rank {worker.rank} failed:\n{payload}"
             if len(self.workers) > 1:
@@ -161,6 +171,11 @@ class MultiprocExecutor(Executor):
             if worker.process.is_alive():
                 worker.process.kill()
 
+    def _exit_message(self, worker: _WorkerProcess) -> str:
+        worker.process.join(_POLL_SECONDS)
+        return (f"Worker process rank {worker.rank} (pid {worker.process.pid}) exited unexpectedly (exit code "
+                f"{worker.process.exitcode}).{self._startup_hint}")
+
 
 def _monitor(executor_ref: weakref.ref, workers: list[_WorkerProcess]) -> None:
     """Wait for any worker process to exit; unless the executor is shutting down, that is a failure. Holds the
@@ -169,13 +184,7 @@ def _monitor(executor_ref: weakref.ref, workers: list[_WorkerProcess]) -> None:
     ready = wait(list(sentinels))
     executor = executor_ref()
     if executor is not None and not executor._closing:
-        executor._fail(_exit_message(sentinels[ready[0]]))
-
-
-def _exit_message(worker: _WorkerProcess) -> str:
-    worker.process.join(_POLL_SECONDS)
-    return (f"Worker process rank {worker.rank} (pid {worker.process.pid}) exited unexpectedly (exit code "
-            f"{worker.process.exitcode}).")
+        executor._fail(executor._exit_message(sentinels[ready[0]]))
 
 
 def _free_port() -> int:
@@ -188,6 +197,10 @@ def _run_worker(config: EngineConfig, rank: int, init_method: str, conn: Connect
     """A worker process: answer calls until told to shut down or the engine's end of the pipe closes."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it shuts the workers down
+    run_on_new_thread(_serve, config, rank, init_method, conn)
+
+
+def _serve(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
     from pagellm.worker.worker import Worker
 
     worker = Worker(config, rank=rank, distributed_init_method=init_method)
