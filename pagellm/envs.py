@@ -33,3 +33,16 @@ def cpu_isa() -> str | None:
     """PAGELLM_CPU_ISA=scalar makes the packed-weight kernels skip AVX2 and builds the attention kernel without
     AVX2, FMA and F16C: the portable paths a CPU without them runs (tests run both)."""
     return os.environ.get("PAGELLM_CPU_ISA") or None
+
+
+WORKER_MULTIPROC_METHODS = ("fork", "spawn", "forkserver")
+
+
+def worker_multiproc_method() -> str | None:
+    """PAGELLM_WORKER_MULTIPROC_METHOD=fork|spawn|forkserver: how worker ranks start (vLLM's
+    VLLM_WORKER_MULTIPROC_METHOD); unset, pagellm forks where that is safe (see process_utils.py)."""
+    value = os.environ.get("PAGELLM_WORKER_MULTIPROC_METHOD") or None
+    if value not in (None, *WORKER_MULTIPROC_METHODS):
+        raise ValueError(f"PAGELLM_WORKER_MULTIPROC_METHOD must be one of {', '.join(WORKER_MULTIPROC_METHODS)} "
+                         f"(or unset), got {value!r}.")
+    return value

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pagellm import envs
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-MULTIPROC_METHOD_VARIABLE = "PAGELLM_WORKER_MULTIPROC_METHOD"
-MULTIPROC_METHODS = ("fork", "spawn", "forkserver")
 GUARD = "if __name__ == '__main__':"
 
 _quiet_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
@@ -45,15 +44,12 @@ def get_mp_context() -> BaseContext:
         # A spawned child importing the main script: that script would start pagellm again in every child.
         raise RuntimeError(f"pagellm was started while this process, a child started with spawn or forkserver, "
                            f"imports the main script again. Wrap the script's entry point in `{GUARD}`.")
-    method = os.environ.get(MULTIPROC_METHOD_VARIABLE) or None
+    method = envs.worker_multiproc_method()
     if method is None:
         reason = _fork_unsafe_reason()
         if reason is not None:
             _log_spawn(reason)
         method = "spawn" if reason else "fork"
-    elif method not in MULTIPROC_METHODS:
-        raise ValueError(f"{MULTIPROC_METHOD_VARIABLE} must be one of {', '.join(MULTIPROC_METHODS)} (or unset), "
-                         f"got {method!r}.")
     return multiprocessing.get_context(method)
 
 
@@ -146,5 +142,5 @@ def _log_spawn(reason: str) -> None:
     guard = (f" Each child imports the main script again: wrap its entry point in `{GUARD}`."
              if _main_is_imported_again() else "")
     log = logger.warning if guard else logger.info
-    log("Starting child processes with spawn, not fork: %s.%s %s=%s picks the method.", reason, guard,
-        MULTIPROC_METHOD_VARIABLE, "|".join(MULTIPROC_METHODS))
+    log("Starting child processes with spawn, not fork: %s.%s PAGELLM_WORKER_MULTIPROC_METHOD=%s picks the method.",
+        reason, guard, "|".join(envs.WORKER_MULTIPROC_METHODS))

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from pagellm import process_utils
-from pagellm.process_utils import GUARD, MULTIPROC_METHOD_VARIABLE, get_mp_context, quiet_thread
+from pagellm.process_utils import GUARD, get_mp_context, quiet_thread
+
+MULTIPROC_METHOD_VARIABLE = "PAGELLM_WORKER_MULTIPROC_METHOD"
 
 SCRIPT = '''
 import argparse, json, os, signal, time
