@@ -52,6 +52,7 @@ def _label(engine_args: dict) -> str:
 
 def run(args: argparse.Namespace) -> None:
     from pagellm import LLM
+    from pagellm.benchmarks.machine import machine_header
     from pagellm.engine.arg_utils import EngineArgs
 
     engine_args = vars(EngineArgs.from_cli_args(args))
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> None:
     same = sum(a == b for x, y in zip(base_greedy, other_tokens) for a, b in zip(x, y))
     first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
              for x, y in zip(base_greedy, other_tokens)]
+    print(machine_header())
     print(f"perplexity over {len(base)} tokens of {args.text}: float32 {math.exp(-sum(base) / len(base)):.3f}, "
           f"{label} {math.exp(-sum(other) / len(other)):.3f}")
     print(f"per-token logprob difference: mean {sum(deltas) / len(deltas):.4f}, max {max(deltas):.4f}")

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+from pagellm.benchmarks.machine import machine_header
 from pagellm.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> None:
     output = decode_step_output(args.batch_size, args.input_len)
     first_step = replace(output, new_requests=[NewRequestData(f"r{i}", list(range(args.input_len)), [],
                                                               SamplingParams()) for i in range(args.batch_size)])
+    print(machine_header())
     print(f"transport, batch {args.batch_size}: steady decode step {transport_ms(output, args.batch_size):.3f} ms "
           f"({len(pickle.dumps(output))} bytes); a step adding {args.batch_size} sequences "
           f"{transport_ms(first_step, args.batch_size, repeats=50):.3f} ms ({len(pickle.dumps(first_step))} bytes)")

@@ -29,7 +29,13 @@ import numpy as np
 import torch
 
 from pagellm.benchmarks.llama_cpp_peer import require_binding
-from pagellm.benchmarks.machine import kv_bytes_per_token, memory_bandwidth, model_flops, peak_matmul_flops
+from pagellm.benchmarks.machine import (
+    kv_bytes_per_token,
+    machine_header,
+    memory_bandwidth,
+    model_flops,
+    peak_matmul_flops,
+)
 
 LLAMA_CPP_KV_BYTES = 2  # llama.cpp's default KV cache type, F16 (the peer does not change it)
 
@@ -220,6 +226,7 @@ def run(args: argparse.Namespace) -> None:
     rng = random.Random(0)
     bandwidth = memory_bandwidth(device)
     peak = peak_matmul_flops(model_config.dtype, device)
+    print(machine_header())
     print(f"{model_config.served_model_name}: input {args.input_len}, output {args.output_len} tokens, "
           f"{torch.get_num_threads()} threads, {device}; quantization {model_config.quantization}"
           f"{' + int8 activations' if model_config.quantize_activations else ''}, "

@@ -1,10 +1,20 @@
 """The machine's own limits, for benchmark ratios: measured matmul peak and memory bandwidth, and the useful FLOPs of a
-workload."""
+workload; and the line that says which machine a benchmark's figures come from."""
 from __future__ import annotations
 
 import time
 
 import torch
+
+from pagellm.kernels import build
+
+
+def machine_header() -> str:
+    """Where a benchmark's figures were measured, printed before them: the CPU's model name (lscpu's), PyTorch's
+    threads, the instruction sets pagellm's C kernels use there, and the GPU if there is one. The same run gives
+    other figures on another kind of machine (an AMD EPYC, an Intel Xeon), so each says which it had."""
+    gpu = f"; GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"CPU: {build.cpu_model()}, {torch.get_num_threads()} threads; C kernels: {build.instruction_sets()}{gpu}"
 
 
 def peak_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 1024, seconds: float = 1.0) -> float:

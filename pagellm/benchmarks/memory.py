@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagellm.benchmarks.machine import machine_header
 from pagellm.benchmarks.throughput import BenchRequest, make_requests, parse_range
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
@@ -149,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         gc.collect()  # free this engine's KV pool before the next one allocates its own
     equal = results[0].token_ids == results[1].token_ids
     prompt_tokens, output_tokens = sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)
+    print(machine_header())
     print(f"{len(requests)} requests, prompts {args.input_len[0]}:{args.input_len[1]} ({prompt_tokens} tokens), "
           f"outputs {args.output_len[0]}:{args.output_len[1]} ({output_tokens} tokens); device KV pool "
           f"{results[0].num_blocks} blocks of {engine_args.block_size} tokens, host tier {results[0].num_host_blocks} "

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagellm.benchmarks.machine import machine_header
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.outputs import RequestOutput
@@ -168,6 +169,7 @@ def run(args: argparse.Namespace) -> dict:
         gc.collect()  # free this engine's KV pool before the next one allocates its own
     on, off = results["on"], results["off"]
     shared = on["shared_prompt"]
+    print(machine_header())
     print(format_table(f"shared prompt: {args.num_prompts} requests of {shared.prompt_tokens / args.num_prompts:.0f} "
                        f"prompt tokens on average (system prompt {args.prefix_len}), {args.output_len} output "
                        f"tokens each, submitted at once", shared, off["shared_prompt"]))

@@ -11,6 +11,7 @@ import argparse
 import random
 from dataclasses import dataclass
 
+from pagellm.benchmarks.machine import machine_header
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> list[SharingResult]:
     results = [measure(engine, f"n={args.n}", add(engine.add_request, sampling, "n")),
                measure(engine, f"beam_width={args.beam_width}",
                        add(engine.add_beam_search_request, beams, "beam"))]
+    print(machine_header())
     print(f"{args.num_prompts} prompts of {args.input_len} tokens, {args.output_len} output tokens each, "
           f"block size {engine.config.cache_config.block_size}")
     for result in results:

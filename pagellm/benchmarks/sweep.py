@@ -13,8 +13,6 @@ import csv
 import random
 from pathlib import Path
 
-import torch
-
 from pagellm.benchmarks.latency import LatencyResult, bench_hf, bench_llama_cpp, bench_pagellm
 
 FIELDS = ["backend", "concurrency", "total_tok_s", "output_tok_s", "tpot_ms", "prefill_tok_s", "decode_tok_s"]
@@ -69,6 +67,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from pagellm import LLM
+    from pagellm.benchmarks.machine import machine_header
     from pagellm.benchmarks.throughput import load_hf_model
     from pagellm.engine.arg_utils import EngineArgs
 
@@ -76,6 +75,7 @@ def run(args: argparse.Namespace) -> None:
     model_config = llm.llm_engine.config.model_config
     device = llm.llm_engine.config.device_config.device
     hf_model = load_hf_model(model_config.model, model_config.dtype, device) if "hf" in args.backends else None
+    print(machine_header(), flush=True)
     rng = random.Random(0)
     rows = []
     for c in args.concurrency:
@@ -98,5 +98,5 @@ def run(args: argparse.Namespace) -> None:
         writer.writeheader()
         writer.writerows(rows)
     plot(rows, png_path, f"{model_config.served_model_name} ({model_config.quantization}), {args.input_len} in + "
-                         f"{args.output_len} out, {torch.get_num_threads()} threads")
+                         f"{args.output_len} out\n{machine_header()}")
     print(f"wrote {csv_path} and {png_path}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagellm.benchmarks.machine import model_flops, peak_matmul_flops
+from pagellm.benchmarks.machine import machine_header, model_flops, peak_matmul_flops
 
 
 @dataclass
@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> None:
                              args.dataset_seed)
     useful_flops = sum(model_flops(model_config.hf_config, len(r.prompt_token_ids), r.output_len) for r in requests)
     peak = peak_matmul_flops(model_config.dtype, device)
+    print(machine_header())
     print(f"{len(requests)} requests, input {args.input_len[0]}:{args.input_len[1]}, output "
           f"{args.output_len[0]}:{args.output_len[1]} tokens; {model_config.dtype}, {device}, "
           f"{torch.get_num_threads()} threads; measured matmul peak {peak / 1e9:.1f} GFLOP/s")

@@ -2,9 +2,10 @@
 
 Each C source ships with the package and is compiled with the machine's C compiler (gcc or cc) into the pagellm
 cache directory, keyed by the source (and the headers beside it), flags, compiler and CPU, so later runs just
-load it. If no compiler is there or the build fails, `load_library` returns None and callers use their PyTorch
-path. Libraries built with OpenMP link `libgomp.so.1`, which resolves to the copy PyTorch already loaded: one
-thread pool for both.
+load it. Kernels are built for a fixed instruction set (`isa_flags`), never -march=native, so that any two CPUs
+with AVX2 compute the same floats. If no compiler is there or the build fails, `load_library` returns None and
+callers use their PyTorch path. Libraries built with OpenMP link `libgomp.so.1`, which resolves to the copy
+PyTorch already loaded: one thread pool for both.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from functools import cache
 from pathlib import Path
 
 from pagellm import envs
@@ -23,12 +25,50 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def _cpu_signature() -> str:
+@cache
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" where there is none: not Linux, or not this field)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), "")
     except OSError:
-        return platform.processor()
+        return ""
+
+
+def _cpu_signature() -> str:
+    return _cpuinfo("flags") or platform.processor()
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as lscpu prints it ("AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+")."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def has_avx2() -> bool:
+    """Whether the CPU has AVX2, FMA and F16C: the vector kernels' instruction sets."""
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= set(_cpuinfo("flags").split())
+
+
+def isa_flags() -> list[str]:
+    """The flags that set a kernel's instruction set (linear_cpu.c's AVX2 functions carry their own target
+    attribute instead): x86-64-v3 (AVX2, FMA, F16C) where the CPU has them, else the compiler's baseline (also with
+    PAGELLM_CPU_ISA=scalar). Never -march=native: gcc 12 then vectorised RMSNorm's sum of squares 16 floats wide on
+    an AMD EPYC with AVX-512 and 8 wide on an Intel Xeon with AVX-512 (tuned for 256-bit vectors): another rounding,
+    other logprobs. No kernel uses AVX-512, VNNI or AMX."""
+    return ["-march=x86-64-v3"] if has_avx2() and envs.cpu_isa() != "scalar" else []
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def instruction_sets() -> str:
+    """The instruction sets the C kernels run with on this machine, as a benchmark header names them."""
+    if envs.c_kernels_disabled():
+        return "none (PAGELLM_DISABLE_C_KERNELS: PyTorch)"
+    if _compiler() is None:
+        return "none (no C compiler: PyTorch)"
+    return "AVX2+FMA+F16C" if isa_flags() else f"portable scalar ({platform.machine()} baseline)"
 
 
 def _build(source: Path, flags: list[str], compiler: str) -> Path:
@@ -50,7 +90,7 @@ def load_library(source: Path, flags: list[str], what: str) -> ctypes.CDLL | Non
     """The compiled `source`, or None (with a warning naming `what` falls back) when it cannot be built."""
     if envs.c_kernels_disabled():
         return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = _compiler()
     if compiler is None:
         logger.warning("No C compiler found; %s uses the slower PyTorch path.", what)
         return None

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from pagellm.kernels import elementwise, linear, paged_attention
-from pagellm.kernels.build import load_library
+from pagellm.kernels.build import isa_flags, load_library
 
 _SOURCE = Path(__file__).with_name("decoder_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -36,7 +36,7 @@ class _Decoder(ctypes.Structure):
 @cache
 def load() -> ctypes.CDLL | None:
     parts = [linear.load(), elementwise.load(), paged_attention.load()]
-    library = None if None in parts else load_library(_SOURCE, _FLAGS, "the fused CPU decode step")
+    library = None if None in parts else load_library(_SOURCE, _FLAGS + isa_flags(), "the fused CPU decode step")
     if library is not None:
         library.pagellm_decoder_forward.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
         library.pagellm_decoder_forward.restype = ctypes.c_int

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch
 
-from pagellm.kernels.build import load_library
+from pagellm.kernels.build import isa_flags, load_library
 
 _SOURCE = Path(__file__).with_name("elementwise_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _I64, _INT, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
 @cache
 def load() -> ctypes.CDLL | None:
-    library = load_library(_SOURCE, _FLAGS, "RMSNorm, SiLU and RoPE")
+    library = load_library(_SOURCE, _FLAGS + isa_flags(), "RMSNorm, SiLU and RoPE")
     if library is not None:
         library.rms_norm_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
         library.silu_and_mul_f32.argtypes = [_PTR, _PTR, _I64, _I64, _INT]

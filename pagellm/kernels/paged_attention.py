@@ -12,11 +12,10 @@ from pathlib import Path
 
 import torch
 
-from pagellm import envs
-from pagellm.kernels.build import load_library
+from pagellm.kernels.build import isa_flags, load_library
 
 _SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 # The C side's KV_F32, KV_F16, KV_BF16, KV_E4M3, KV_E5M2.
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -24,9 +23,8 @@ KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_
 
 @cache
 def load() -> ctypes.CDLL | None:
-    # PAGELLM_CPU_ISA=scalar: the portable loops and conversions, as on a CPU without AVX2 or F16C.
-    portable = ["-mno-avx2", "-mno-fma", "-mno-f16c"] if envs.cpu_isa() == "scalar" else []
-    library = load_library(_SOURCE, _FLAGS + portable, "CPU decode attention")
+    # PAGELLM_CPU_ISA=scalar: the portable loops and conversions, as on a CPU without AVX2 or F16C (isa_flags).
+    library = load_library(_SOURCE, _FLAGS + isa_flags(), "CPU decode attention")
     if library is not None:
         library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [_F32, _INT, _I64, _INT]
         library.paged_decode_attention.restype = _INT

@@ -32,6 +32,7 @@ def test_latency_against_transformers_with_step_split(tiny_model_factory):
               "1,3", "--input-len", "12", "--output-len", "16", "--repeats", "1", "--step-split",
               "--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "16", "--kv-cache-dtype", "float16")
     assert "pagellm step split, batch 3" in out and "forward" in out and "sample" in out
+    assert any(line.startswith("CPU: ") and "; C kernels: " in line for line in out.splitlines())  # where it ran
     rows = [line.split() for line in out.splitlines()
             if line.split()[:1] in (["pagellm"], ["transformers"]) and line.split()[1].isdigit()]
     assert sorted((r[0], r[1]) for r in rows) == [("pagellm", "1"), ("pagellm", "3"), ("transformers", "1"),
