@@ -52,7 +52,7 @@ class Executor(ABC):
                       ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Run one step on every rank; returns the output rank's output (with async scheduling, one rank in this
         process: perhaps before its sampled tokens have reached the host). `bitmask`, for a step with constrained
-        sequences, is their bitmask being computed (see core/sched_output.py): the output rank runs the forward
+        sequences, is their bitmask being computed (see core/sched/output.py): the output rank runs the forward
         pass meanwhile and waits for it only to sample (its `execute_model` returns None, `sample_tokens` the
         result)."""
 
