@@ -30,8 +30,8 @@ def api_key() -> str | None:
 
 
 def cpu_isa() -> str | None:
-    """PAGELLM_CPU_ISA=scalar makes the packed-weight kernels skip AVX2 and builds the attention kernel without
-    AVX2, FMA and F16C: the portable paths a CPU without them runs (tests run both)."""
+    """PAGELLM_CPU_ISA=scalar builds every C kernel for the compiler's baseline (no AVX2, FMA or F16C) and makes the
+    packed-weight kernels skip their AVX2 paths: the portable code a CPU without them runs (tests run both)."""
     return os.environ.get("PAGELLM_CPU_ISA") or None
 
 

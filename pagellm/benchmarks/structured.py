@@ -24,6 +24,7 @@ import statistics
 import time
 
 from pagellm.benchmarks import structured_tools
+from pagellm.benchmarks.machine import machine_header
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -193,6 +194,7 @@ def measure_validity(engine: LLMEngine, args: argparse.Namespace) -> tuple[int, 
 
 def run(args: argparse.Namespace) -> dict[float, float] | None:
     """The tools workload returns its fraction of valid responses per temperature."""
+    print(machine_header())
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     if args.workload == "tools":
         return structured_tools.measure_tool_calls(engine, args)
