@@ -1,6 +1,6 @@
-"""The command line: the README's flag lists against the parsers, both ways (every flag of `pagellm serve` and
-`pagellm generate` is documented, and every flag the engine and server paragraphs name exists), and no benchmark
-module loaded unless a benchmark runs."""
+"""The command line: the documented flag lists (README.md, docs/usage.md, docs/serving.md) against the parsers,
+both ways (every flag of `pagellm serve` and `pagellm generate` is documented, and every flag the engine and server
+paragraphs name exists), and no benchmark module loaded unless a benchmark runs."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from pagellm.entrypoints.cli import build_parser
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "usage.md", ROOT / "docs" / "serving.md"]
 # The paragraphs that list pagellm's own flags (other paragraphs quote llama.cpp's and guidellm's).
 FLAG_PARAGRAPHS = ("Engine flags use vLLM's names:", "An OpenAI-compatible server (FastAPI + uvicorn, in-process)")
 
@@ -28,21 +29,25 @@ def _paragraph(text: str, start: str) -> str:
     return text[begin:text.index("\n\n", begin)]
 
 
+def _docs_text() -> str:
+    return "\n\n".join(path.read_text() for path in DOCS)
+
+
 def test_every_flag_is_documented():
-    text = README.read_text()
+    text = _docs_text()
     for command in ("serve", "generate"):
         missing = [option for option in sorted(_long_options(command)) if not option.startswith("--no-")
                    and option not in text and f"--[no-]{option[2:]}" not in text]
-        assert not missing, f"pagellm {command}: {missing} are not in README.md"
+        assert not missing, f"pagellm {command}: {missing} are not documented"
 
 
 def test_every_documented_flag_exists():
-    text = README.read_text()
+    text = _docs_text()
     options = _long_options("serve") | _long_options("generate")
     for start in FLAG_PARAGRAPHS:
         named = {"--" + name for name in re.findall(r"`--(?:\[no-\])?([a-z][a-z0-9-]*)", _paragraph(text, start))}
         assert named, start
-        assert named <= options, f"README names flags that pagellm lacks: {sorted(named - options)}"
+        assert named <= options, f"the docs name flags that pagellm lacks: {sorted(named - options)}"
 
 
 def test_benchmarks_are_imported_only_when_one_runs():
