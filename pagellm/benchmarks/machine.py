@@ -34,10 +34,11 @@ def peak_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 1024
     return best
 
 
-def memory_bandwidth(device: torch.device = torch.device("cpu"), num_bytes: int = 512 * 2**20,
+def memory_bandwidth(device: torch.device | str = "cpu", num_bytes: int = 512 * 2**20,
                      seconds: float = 1.0) -> float:
     """Best sustained read bandwidth of `device`'s memory in bytes/s: summing a float32 tensor far larger than the
     caches (on CUDA, 4x as large, to outgrow the L2 and the launch cost)."""
+    device = torch.device(device)
     if device.type == "cuda":
         num_bytes *= 4
     data = torch.ones(num_bytes // 4, device=device)

@@ -98,7 +98,7 @@ class Executor(ABC):
         if self._failure is not None:
             raise EngineDeadError(self._failure)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 (a hook: nothing to stop in process)
         """Stop the workers; the executor is unusable afterwards."""
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
@@ -125,7 +125,7 @@ class Executor(ABC):
                 callback(reason)
         return self._failure
 
-    def _kill_workers(self) -> None:
+    def _kill_workers(self) -> None:  # noqa: B027 (a hook: nothing to kill in process)
         """Stop every worker at once (executors with workers outside this process)."""
 
     def determine_num_blocks(self) -> int:

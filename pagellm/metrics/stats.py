@@ -142,5 +142,5 @@ class StatLoggerBase(ABC):
     @abstractmethod
     def record(self, iteration: IterationStats) -> None: ...
 
-    def log(self) -> None:
+    def log(self) -> None:  # noqa: B027 (a hook: only loggers that print override it)
         """Called periodically by the server; loggers that print something override it."""

@@ -95,25 +95,26 @@ def test_request_bodies_and_expected_statuses():
 
 
 def test_outcomes_that_are_unexpected():
-    O = soak_report.Outcome
-    assert not O("chat", 200, status=200, served=True).unexpected
-    assert O("chat", 200, status=200).unexpected  # 200 but not read to the end (no [DONE], a choice unfinished)
-    assert O("chat", 200, status=500).unexpected and O("chat", 200, error="ReadTimeout: ...").unexpected
-    assert not O("chat", 200, abandoned=True).unexpected and not O("chat", 200, status=200, abandoned=True).unexpected
-    assert O("chat", 200, status=503, abandoned=True).unexpected
-    assert not O("n 0", 400, status=400).unexpected
-    assert O("n 0", 400, status=200).unexpected and O("unknown model", 404, status=400).unexpected
+    outcome = soak_report.Outcome
+    assert not outcome("chat", 200, status=200, served=True).unexpected
+    assert outcome("chat", 200, status=200).unexpected  # 200 but not read to the end (no [DONE], a choice unfinished)
+    assert outcome("chat", 200, status=500).unexpected and outcome("chat", 200, error="ReadTimeout: ...").unexpected
+    assert not outcome("chat", 200, abandoned=True).unexpected
+    assert not outcome("chat", 200, status=200, abandoned=True).unexpected
+    assert outcome("chat", 200, status=503, abandoned=True).unexpected
+    assert not outcome("n 0", 400, status=400).unexpected
+    assert outcome("n 0", 400, status=200).unexpected and outcome("unknown model", 404, status=400).unexpected
 
 
 IDLE = soak_report.ServerState(running=0, waiting=0, used_blocks=0, rss_bytes=100 * soak_report.MIB)
 
 
 def test_report_counts_and_exit_status():
-    O = soak_report.Outcome
-    outcomes = [O("completion", 200, 200, served=True), O("chat", 200, 200, served=True),
-                O("tokenize", 200, 200, served=True), O("chat", 200, None, abandoned=True),
-                O("chat", 200, 200, abandoned=True), O("n 0", 400, 400), O("unknown model", 404, 404),
-                O("top_p 2", 400, 200, body='{"choices": []}')]
+    outcome = soak_report.Outcome
+    outcomes = [outcome("completion", 200, 200, served=True), outcome("chat", 200, 200, served=True),
+                outcome("tokenize", 200, 200, served=True), outcome("chat", 200, None, abandoned=True),
+                outcome("chat", 200, 200, abandoned=True), outcome("n 0", 400, 400), outcome("unknown model", 404, 404),
+                outcome("top_p 2", 400, 200, body='{"choices": []}')]
     end = soak_report.ServerState(running=0, waiting=0, used_blocks=0, rss_bytes=150.5 * soak_report.MIB)
     report = soak_report.summarize(outcomes, 60.2, IDLE, end, 200)
     assert (report.requests_sent, report.served, report.abandoned) == (8, 3, 2)

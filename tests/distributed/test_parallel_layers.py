@@ -173,7 +173,8 @@ def test_each_rank_gets_the_kv_heads_its_query_heads_use(tp, kv_heads, monkeypat
                                                                             num_key_value_heads=kv_heads),
                          architecture="", dtype=torch.float32, max_model_len=1, max_logprobs=0)
     for rank in range(tp):
-        monkeypatch.setattr(linear_module, "get_tp_group", lambda: GroupCoordinator(rank, tp, list(range(tp))))
+        group = GroupCoordinator(rank, tp, list(range(tp)))
+        monkeypatch.setattr(linear_module, "get_tp_group", lambda group=group: group)
         layer = QKVParallelLinear(16, HEAD, heads, kv_heads)
         q, k, v = layer.output_shards
         assert layer.num_kv_heads == config.get_num_kv_heads(tp)

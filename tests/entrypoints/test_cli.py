@@ -56,6 +56,7 @@ def test_benchmarks_are_imported_only_when_one_runs():
               "print(sorted(m for m in sys.modules if m.startswith('pagellm.benchmarks')))\n"
               "build_parser(['bench', 'structured'])\n"
               "print(sorted(m for m in sys.modules if m.startswith('pagellm.benchmarks')))")
-    lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    lines = result.stdout.split("\n")
     assert lines[0] == "[]"
     assert "pagellm.benchmarks.structured" in lines[1]
