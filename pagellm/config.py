@@ -130,7 +130,6 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
-    max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -155,10 +154,13 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+
+    def check_fits(self, max_model_len: int) -> None:
+        """Without chunked prefill a prompt runs in one step, so the token budget must hold the longest one."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"With chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
-                f"least max_model_len ({self.max_model_len}), or a long prompt could never be scheduled. Raise "
+                f"least max_model_len ({max_model_len}), or a long prompt could never be scheduled. Raise "
                 f"max_num_batched_tokens (--max-num-batched-tokens), lower max_model_len (--max-model-len), or "
                 f"enable chunked prefill.")
 
@@ -233,3 +235,6 @@ class EngineConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+
+    def __post_init__(self) -> None:
+        self.scheduler_config.check_fits(self.model_config.max_model_len)

@@ -43,8 +43,9 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, prefix_caching:
                    **config: Any) -> Scheduler:
     """A Scheduler over a KV pool of `num_blocks` blocks (and a host tier of `num_host_blocks`); `config`: the
     other SchedulerConfig fields (scheduling_policy, enable_chunked_prefill, async_scheduling, ...)."""
-    scheduler_config = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens, **config)
+    scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       **config)
+    scheduler_config.check_fits(max_model_len)
     kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                                       num_host_blocks=num_host_blocks)
-    return Scheduler(scheduler_config, kv_cache_manager, structured_output_manager)
+    return Scheduler(scheduler_config, max_model_len, kv_cache_manager, structured_output_manager)

@@ -115,7 +115,7 @@ class EngineArgs:
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      swap_space_bytes=int(self.swap_space * (1 << 30)),
                                      cache_dtype=self.kv_cache_dtype),
-            scheduler_config=SchedulerConfig(max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                              max_num_batched_tokens=self.max_num_batched_tokens,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              scheduling_policy=self.scheduling_policy,

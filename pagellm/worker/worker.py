@@ -137,7 +137,7 @@ class Worker:
         per_block = self._kv_bytes_per_block()
         budget = self.determine_kv_cache_bytes()
         num_blocks = budget // per_block
-        max_len = self.config.scheduler_config.max_model_len
+        max_len = self.config.model_config.max_model_len
         needed = -(-max_len // cache_config.block_size)
         if num_blocks < needed:
             raise ValueError(

@@ -57,22 +57,22 @@ def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> int:
 class TestSchedulerConfig:
     def test_no_chunked_prefill_needs_budget_of_max_model_len(self):
         with pytest.raises(ValueError) as info:
-            SchedulerConfig(max_model_len=128, max_num_batched_tokens=64, enable_chunked_prefill=False)
+            SchedulerConfig(max_num_batched_tokens=64, enable_chunked_prefill=False).check_fits(128)
         message = str(info.value)
         for name in ("max_num_batched_tokens", "max_model_len", "--max-num-batched-tokens", "--max-model-len",
                      "chunked prefill", "64", "128"):
             assert name in message
 
     def test_budget_equal_to_max_model_len_is_fine_without_chunking(self):
-        SchedulerConfig(max_model_len=128, max_num_batched_tokens=128, enable_chunked_prefill=False)
+        SchedulerConfig(max_num_batched_tokens=128, enable_chunked_prefill=False).check_fits(128)
 
     def test_small_budget_is_fine_with_chunking(self):
-        SchedulerConfig(max_model_len=128, max_num_batched_tokens=1, enable_chunked_prefill=True)
+        SchedulerConfig(max_num_batched_tokens=1, enable_chunked_prefill=True).check_fits(128)
 
     @pytest.mark.parametrize("field", ["max_num_seqs", "max_num_batched_tokens"])
     def test_non_positive_limits_rejected(self, field):
         with pytest.raises(ValueError, match=field):
-            SchedulerConfig(max_model_len=16, **{field: 0})
+            SchedulerConfig(**{field: 0})
 
 
 # ---- basics ----------------------------------------------------------------------------------------------------

@@ -193,10 +193,10 @@ def check_running_tables(sched: Scheduler, scheduled_tokens: dict[str, int]) -> 
 def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, int]]:
     """Returns the scheduler, every sequence by id (forks included) and the step each aborted request (group id)
     was aborted at."""
-    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=w.max_num_seqs,
+    config = SchedulerConfig(max_num_seqs=w.max_num_seqs,
                              max_num_batched_tokens=w.max_num_batched_tokens, enable_chunked_prefill=w.chunked,
                              scheduling_policy=w.policy, preemption_mode=w.preemption_mode)
-    sched = Scheduler(config, KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks))
+    sched = Scheduler(config, MAX_MODEL_LEN, KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks))
     cache = FakeKVCache(w.num_blocks, w.num_host_blocks, w.block_size)
     worker = InputBatch()  # what a worker rebuilds from the outputs' diffs alone
     bs = w.block_size

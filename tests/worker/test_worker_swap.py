@@ -27,7 +27,7 @@ def make_worker(swap_space_bytes: int = 0, dtype: torch.dtype = torch.bfloat16, 
                                dtype=dtype, max_model_len=64, max_logprobs=0)
     cache_config = CacheConfig(block_size=16, swap_space_bytes=swap_space_bytes, cache_dtype=cache_dtype)
     config = SimpleNamespace(model_config=model_config, cache_config=cache_config,
-                             scheduler_config=SchedulerConfig(max_model_len=64),
+                             scheduler_config=SchedulerConfig(),
                              device_config=SimpleNamespace(device=torch.device("cpu")),
                              parallel_config=ParallelConfig())
     return Worker(config)

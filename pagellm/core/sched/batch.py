@@ -39,20 +39,11 @@ def num_slots_in_use(running: Iterable[Request]) -> int:
     return sum(num_sequences(r) for r in running)
 
 
-def num_next_tokens(request: Request, flight: ScheduledRequest | None, config: SchedulerConfig) -> int | None:
-    """Tokens the request could compute this step, before the token budget; None while it must wait for its
-    batch in flight."""
-    if flight is None:
-        return request.num_tokens - request.num_computed_tokens
-    if not config.async_scheduling:
-        return None
-    return tokens_after_flight(request, flight, config.max_model_len)
-
-
 class BatchPlanner:
-    def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv_cache_manager: KVCacheManager,
-                 worker_view: WorkerView) -> None:
+    def __init__(self, config: SchedulerConfig, max_model_len: int, queues: RequestQueues,
+                 kv_cache_manager: KVCacheManager, worker_view: WorkerView) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.queues = queues
         self.kv_cache_manager = kv_cache_manager
         self.worker_view = worker_view
@@ -99,9 +90,18 @@ class BatchPlanner:
         """Async scheduling: whether the next batch may be planned before the oldest in flight is back, i.e. no
         running request in flight must wait for its results (planning without it would leave it a step behind)."""
         requests = self.queues.requests
-        return all(num_next_tokens(requests[request_id], flight, self.config) is not None
+        return all(self._num_next_tokens(requests[request_id], flight) is not None
                    for request_id, flight in self.in_flight.items()
                    if request_id in requests and requests[request_id].status == RequestStatus.RUNNING)
+
+    def _num_next_tokens(self, request: Request, flight: ScheduledRequest | None) -> int | None:
+        """Tokens the request could compute this step, before the token budget; None while it must wait for its
+        batch in flight."""
+        if flight is None:
+            return request.num_tokens - request.num_computed_tokens
+        if not self.config.async_scheduling:
+            return None
+        return tokens_after_flight(request, flight, self.max_model_len)
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int, limit: int) -> int:
         """Give the running requests their tokens, in order, preempting while the pool is short; returns the token
@@ -112,7 +112,7 @@ class BatchPlanner:
             request = running[index]
             flight = self.in_flight.get(request.request_id)
             # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
-            num_new = num_next_tokens(request, flight, self.config)
+            num_new = self._num_next_tokens(request, flight)
             if not num_new:
                 index += 1
                 continue

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
@@ -23,8 +22,8 @@ logger = init_logger(__name__)
 
 
 class ResultApplier:
-    def __init__(self, config: SchedulerConfig, queues: RequestQueues, kv_cache_manager: KVCacheManager) -> None:
-        self.config = config
+    def __init__(self, max_model_len: int, queues: RequestQueues, kv_cache_manager: KVCacheManager) -> None:
+        self.max_model_len = max_model_len
         self.queues = queues
         self.kv_cache_manager = kv_cache_manager
 
@@ -88,7 +87,7 @@ class ResultApplier:
             if structured is not None:
                 structured.grammar.accept_tokens([token])  # raises, failing the request, before the token is kept
             sequence.append_output_token(token)
-            status = check_stop(sequence, self.config.max_model_len)
+            status = check_stop(sequence, self.max_model_len)
             if status is not None:
                 self.queues.finish(sequence, status)
         return sequences
@@ -130,7 +129,7 @@ class ResultApplier:
             beams.append(parent)
         beams.sort(key=lambda b: b.cumulative_logprob, reverse=True)
         group.beams = beams
-        if not group.is_done(self.config.max_model_len):
+        if not group.is_done(self.max_model_len):
             return False
         for beam in beams:
             self.queues.finish(beam, RequestStatus.FINISHED_LENGTH)

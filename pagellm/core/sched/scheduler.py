@@ -48,15 +48,16 @@ from pagellm.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+    def __init__(self, config: SchedulerConfig, max_model_len: int, kv_cache_manager: KVCacheManager,
                  structured_output_manager: StructuredOutputManager | None = None) -> None:
+        """`max_model_len` (the model config's): no sequence grows past it."""
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.structured_output_manager = structured_output_manager
         worker_view = WorkerView(kv_cache_manager)  # what the workers hold of each sequence
         self.queues = RequestQueues(config, kv_cache_manager, worker_view)
-        self.planner = BatchPlanner(config, self.queues, kv_cache_manager, worker_view)
-        self.applier = ResultApplier(config, self.queues, kv_cache_manager)
+        self.planner = BatchPlanner(config, max_model_len, self.queues, kv_cache_manager, worker_view)
+        self.applier = ResultApplier(max_model_len, self.queues, kv_cache_manager)
         # Ids the workers must drop that no batch has carried yet (a step with nothing to run is not sent).
         self._unsent_dropped_ids: list[str] = []
         self._finished_beam_groups: list[BeamGroup] = []

@@ -36,7 +36,7 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = tokenizer
-        self.max_model_len = engine.config.scheduler_config.max_model_len
+        self.max_model_len = engine.config.model_config.max_model_len
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; an unknown model is a 404."""
