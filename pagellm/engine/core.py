@@ -41,7 +41,8 @@ class EngineCore:
                                                cache_config.enable_prefix_caching, num_host_blocks)
         self.structured_output_manager = StructuredOutputManager(config.model_config,
                                                                  config.structured_outputs_config)
-        self.scheduler = Scheduler(config.scheduler_config, config.model_config.max_model_len, self.kv_cache_manager, self.structured_output_manager)
+        self.scheduler = Scheduler(config.scheduler_config, config.model_config.max_model_len, self.kv_cache_manager,
+                                   self.structured_output_manager)
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
