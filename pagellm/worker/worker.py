@@ -114,8 +114,8 @@ class Worker:
         """A forward pass over max_num_batched_tokens tokens (split into sequences of at most max_model_len)
         with a throwaway cache just big enough for it."""
         sched, block_size = self.config.scheduler_config, self.config.cache_config.block_size
-        num_tokens = sched.max_num_batched_tokens
-        lengths = [min(sched.max_model_len, num_tokens - start) for start in range(0, num_tokens, sched.max_model_len)]
+        num_tokens, max_len = sched.max_num_batched_tokens, self.config.model_config.max_model_len
+        lengths = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
         output, next_block = SchedulerOutput(), 0
         for i, length in enumerate(lengths):
             num_blocks = -(-length // block_size)

@@ -97,7 +97,8 @@ def test_execute_model_swaps_out_then_in_then_copies_before_the_forward(monkeypa
 
 def test_profile_run_still_uses_a_throwaway_cache_without_host_blocks(monkeypatch):
     worker = make_worker(swap_space_bytes=GiB)
-    worker.config.scheduler_config = SimpleNamespace(max_num_batched_tokens=40, max_model_len=32)
+    worker.config.scheduler_config = SchedulerConfig(max_num_batched_tokens=40)
+    worker.config.model_config.max_model_len = 32
     caches: list[CacheEngine] = []
 
     def forward(output: SchedulerOutput) -> ModelRunnerOutput:
