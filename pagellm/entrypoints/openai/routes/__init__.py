@@ -1,0 +1,21 @@
+"""The OpenAI-compatible API's routes: one module per surface, each with its own `router` (FastAPI's APIRouter).
+
+`ROUTERS` is the one list that `build_app` includes, in this order, which is also the OpenAPI spec's order. A new
+endpoint is a new module here with a `router` and one line in `ROUTERS`. Handlers reach the engine and the serving
+objects through the `ServerStateDep` dependency (`state.py`), and document their responses with
+`openapi.responses(...)`.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from pagellm.entrypoints.openai.routes import chat, completions, health, metrics, models, tokenization
+
+ROUTERS: tuple[APIRouter, ...] = (
+    health.router,  # /health, /version
+    metrics.router,  # /metrics
+    models.router,  # /v1/models
+    completions.router,  # /v1/completions
+    chat.router,  # /v1/chat/completions
+    tokenization.router,  # /tokenize, /detokenize
+)
