@@ -1,11 +1,15 @@
-"""Compile pagellm's C kernels on first use and load them with ctypes.
+"""Compile pagellm's C kernels on first use, load them with ctypes, and declare their C signatures to ctypes.
 
 Each C source ships with the package and is compiled with the machine's C compiler (gcc or cc) into the pagellm
-cache directory, keyed by the source (and the headers beside it), flags, compiler and CPU, so later runs just
-load it. Kernels are built for a fixed instruction set (`isa_flags`), never -march=native, so that any two CPUs
-with AVX2 compute the same floats. If no compiler is there or the build fails, `load_library` returns None and
-callers use their PyTorch path. Libraries built with OpenMP link `libgomp.so.1`, which resolves to the copy
-PyTorch already loaded: one thread pool for both.
+cache directory (`kernel_cache_dir()`), keyed by the source, the headers and fragments beside it, flags, compiler
+and CPU, so later runs just load it. Kernels are built for a fixed instruction set (`isa_flags`), never
+-march=native, so that any two CPUs with AVX2 compute the same floats. If no compiler is there or the build fails,
+`load_library` returns None and callers use their PyTorch path. Libraries built with OpenMP link `libgomp.so.1`,
+which resolves to the copy PyTorch already loaded: one thread pool for both.
+
+Each kernel's binding module (`linear.py` for `linear_cpu.c`, and so on) writes its C prototypes as one table of
+ctypes signatures, `SIGNATURES`; `load_library` applies it (`bind`), so no caller sets `argtypes` by hand and
+tests/kernels/test_bindings.py can check every table against the C source.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -23,6 +28,13 @@ from pagellm import envs
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# A C function as ctypes sees it: (restype, argtypes), restype None for void. Pointers are c_void_p: callers pass
+# `tensor.data_ptr()` or `ctypes.addressof(struct)`, plain ints.
+Signature = tuple[type | None, Sequence[type]]
+# What a source may #include from its own folder: headers, and the textual fragments of linear_cpu.c (*.inc). All
+# of them go into every cache key (a source includes whichever it needs); pyproject.toml ships the same patterns.
+INCLUDED_PATTERNS = ("*.h", "*.inc")
 
 
 @cache
@@ -71,10 +83,22 @@ def instruction_sets() -> str:
     return "AVX2+FMA+F16C" if isa_flags() else f"portable scalar ({platform.machine()} baseline)"
 
 
+def kernel_cache_dir() -> Path:
+    """Where built kernels live: $PAGELLM_CACHE_DIR/kernels (~/.cache/pagellm/kernels). Deleting it forces a
+    rebuild on next use; a changed source, header or flag builds a new file beside the old ones anyway."""
+    return envs.cache_root() / "kernels"
+
+
+def included_files(source: Path) -> list[Path]:
+    """The files beside `source` that it may #include (`INCLUDED_PATTERNS`), in a fixed order."""
+    return sorted({path for pattern in INCLUDED_PATTERNS for path in source.parent.glob(pattern)})
+
+
 def _build(source: Path, flags: list[str], compiler: str) -> Path:
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # sources may include any of them
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, compiler, _cpu_signature()]).encode())
-    target = envs.cache_root() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    # Names as well as contents: a renamed include with unchanged text must still rebuild (the #include changed).
+    included = [f"{path.name}\0{path.read_text()}" for path in included_files(source)]
+    key = hashlib.sha256("\0".join([source.read_text(), *included, *flags, compiler, _cpu_signature()]).encode())
+    target = kernel_cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,8 +110,19 @@ def _build(source: Path, flags: list[str], compiler: str) -> Path:
     return target
 
 
-def load_library(source: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
-    """The compiled `source`, or None (with a warning naming `what` falls back) when it cannot be built."""
+def bind(library: ctypes.CDLL, signatures: Mapping[str, Signature]) -> ctypes.CDLL:
+    """Give each function in `signatures` its restype and argtypes: the one place ctypes learns the C prototypes.
+    A symbol the library lacks raises AttributeError: the table and the source disagree, a bug, not a fallback."""
+    for symbol, (restype, argtypes) in signatures.items():
+        function = getattr(library, symbol)
+        function.restype, function.argtypes = restype, list(argtypes)
+    return library
+
+
+def load_library(source: Path, flags: list[str], what: str,
+                 signatures: Mapping[str, Signature]) -> ctypes.CDLL | None:
+    """The compiled `source` with `signatures` bound, or None (with a warning naming `what` falls back) when it
+    cannot be built."""
     if envs.c_kernels_disabled():
         return None
     compiler = _compiler()
@@ -95,8 +130,9 @@ def load_library(source: Path, flags: list[str], what: str) -> ctypes.CDLL | Non
         logger.warning("No C compiler found; %s uses the slower PyTorch path.", what)
         return None
     try:
-        return ctypes.CDLL(str(_build(source, flags, compiler)))
+        library = ctypes.CDLL(str(_build(source, flags, compiler)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("Building the C kernel for %s failed (%s); using the PyTorch path.", what, detail)
         return None
+    return bind(library, signatures)

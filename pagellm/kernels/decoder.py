@@ -1,6 +1,10 @@
-"""The decoder layers of a Llama-family model in one C call per decode step (`decoder_cpu.c`), for float32 on the
-CPU. The model builds a `FusedDecoder` from its layers' kernels and weights; the C side strings together the same
-kernels the PyTorch modules call, so the two paths compute the same thing (tests compare them)."""
+"""The binding of `decoder_cpu.c`: the decoder layers of a Llama-family model in one C call per decode step, for
+float32 on the CPU.
+
+Owns the C library's ctypes signatures (`SIGNATURES`), the mirrors of its structs (`_Layer`, `_Decoder`) and
+`FusedDecoder`, which the model builds from its layers' kernels and weights (`LayerWeights`). The C side strings
+together the same kernels the PyTorch modules call, reached through function pointers into the other three
+libraries, so the two paths compute the same thing (tests compare them)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,19 +15,30 @@ from pathlib import Path
 import torch
 
 from pagellm.kernels import elementwise, linear, paged_attention
-from pagellm.kernels.build import isa_flags, load_library
+from pagellm.kernels.build import Signature, isa_flags, load_library
 
-_SOURCE = Path(__file__).with_name("decoder_cpu.c")
+SOURCE = Path(__file__).with_name("decoder_cpu.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
-_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+
+# Every exported function of decoder_cpu.c, under the prototype it mirrors (tests/kernels/test_bindings.py checks
+# both ways).
+SIGNATURES: dict[str, Signature] = {
+    # int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, const int64_t *positions,
+    #                             const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
+    #                             const int64_t *seq_lens, int nthreads);
+    "pagellm_decoder_forward": (_INT, [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _INT]),
+}
 
 
+# Mirrors decoder_cpu.c's pagellm_decoder_layer, field for field.
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _PTR) for name in (
         "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
         "input_norm", "post_norm", "q_norm", "k_norm", "key_cache", "value_cache")]
 
 
+# Mirrors decoder_cpu.c's pagellm_decoder; the function pointers are addresses in the other kernels' libraries.
 class _Decoder(ctypes.Structure):
     _fields_ = [*((name, _PTR) for name in ("matmul", "rms_norm", "silu_and_mul", "rope", "write_cache",
                                              "attention")),
@@ -35,12 +50,11 @@ class _Decoder(ctypes.Structure):
 
 @cache
 def load() -> ctypes.CDLL | None:
+    # Without any one of the kernels it strings together there is nothing to point at: no fused step.
     parts = [linear.load(), elementwise.load(), paged_attention.load()]
-    library = None if None in parts else load_library(_SOURCE, _FLAGS + isa_flags(), "the fused CPU decode step")
-    if library is not None:
-        library.pagellm_decoder_forward.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
-        library.pagellm_decoder_forward.restype = ctypes.c_int
-    return library
+    if None in parts:
+        return None
+    return load_library(SOURCE, _FLAGS + isa_flags(), "the fused CPU decode step", SIGNATURES)
 
 
 def _address(function) -> int:

@@ -1,6 +1,8 @@
-"""RMSNorm, SiLU-and-multiply and RoPE for float32 tensors on the CPU: the C kernels of `elementwise_cpu.c` (built
-on first use by `kernels.build`). One call each instead of several PyTorch operators; the layers use them when
-`available()` and keep their PyTorch path otherwise (CUDA, other dtypes, no compiler)."""
+"""The binding of `elementwise_cpu.c`: RMSNorm, SiLU-and-multiply and RoPE for float32 tensors on the CPU.
+
+Owns the C library's ctypes signatures (`SIGNATURES`), its build flags and the Python callers. One C call each
+instead of several PyTorch operators; the layers use them where `applies(x)` and keep their PyTorch path otherwise
+(CUDA, other dtypes, no compiler). The fused decoder (`kernels.decoder`) calls the same C functions by address."""
 from __future__ import annotations
 
 import ctypes
@@ -9,23 +11,29 @@ from pathlib import Path
 
 import torch
 
-from pagellm.kernels.build import isa_flags, load_library
+from pagellm.kernels.build import Signature, isa_flags, load_library
 
-_SOURCE = Path(__file__).with_name("elementwise_cpu.c")
+SOURCE = Path(__file__).with_name("elementwise_cpu.c")
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _I64, _INT, _F32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+# Every exported function of elementwise_cpu.c, under the prototype it mirrors (tests/kernels/test_bindings.py
+# checks both ways).
+SIGNATURES: dict[str, Signature] = {
+    # void rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
+    #                   float eps, int nthreads);
+    "rms_norm_f32": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
+    # void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads);
+    "silu_and_mul_f32": (None, [_PTR, _PTR, _I64, _I64, _INT]),
+    # void rope_f32(float *x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t dim,
+    #               const int64_t *positions, const float *cos_table, const float *sin_table);
+    "rope_f32": (None, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]),
+}
 
 
 @cache
 def load() -> ctypes.CDLL | None:
-    library = load_library(_SOURCE, _FLAGS + isa_flags(), "RMSNorm, SiLU and RoPE")
-    if library is not None:
-        library.rms_norm_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]
-        library.silu_and_mul_f32.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
-        library.rope_f32.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
-        for function in (library.rms_norm_f32, library.silu_and_mul_f32, library.rope_f32):
-            function.restype = None
-    return library
+    return load_library(SOURCE, _FLAGS + isa_flags(), "RMSNorm, SiLU and RoPE", SIGNATURES)
 
 
 def applies(x: torch.Tensor) -> bool:

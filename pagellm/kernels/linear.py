@@ -1,5 +1,8 @@
-"""y = x W^T on the CPU with W kept packed in its GGUF storage type: the C kernel (`linear_cpu.c`, built on first
-use by `kernels.build`) and its Python callers. Also dequantizes whole matrices or selected rows (embeddings).
+"""The binding of `linear_cpu.c`: y = x W^T on the CPU with W kept packed in its GGUF storage type. Also
+dequantizes whole matrices or selected rows (embeddings).
+
+Owns the C library's ctypes signatures (`SIGNATURES`), the mirror of its `pagellm_matrix` struct (`_Matrix`), the
+storage types the kernel takes, and `PackedMatmul`, which every caller multiplies through.
 
 Packed weights arrive as uint8 tensors [rows, bytes per row], each row a run of ggml blocks, exactly as in the
 file. `PackedMatmul` rewrites block types once into the kernel's interleaved layout (rows in groups of four, the
@@ -15,9 +18,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagellm import envs
-from pagellm.kernels.build import load_library
+from pagellm.kernels.build import Signature, load_library
 
-_SOURCE = Path(__file__).with_name("linear_cpu.c")
+SOURCE = Path(__file__).with_name("linear_cpu.c")
 # No -march=native: the AVX2 functions carry their own target attribute and are chosen at run time, so the
 # scalar path stays a true fallback. -ffp-contract=off keeps ggml's two roundings in `d * q + m`.
 _FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
@@ -29,17 +32,24 @@ BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL})
 SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}) | BLOCK_TYPES
 
 
+# Every exported function of linear_cpu.c (its .inc fragments export none), under the prototype it mirrors
+# (tests/kernels/test_bindings.py checks both ways). decoder_cpu.c calls pagellm_matmul through its matmul_fn.
+SIGNATURES: dict[str, Signature] = {
+    # int pagellm_cpu_has_avx2(void);
+    "pagellm_cpu_has_avx2": (_INT, []),
+    # int pagellm_dequantize_rows(const pagellm_matrix *w, const int64_t *ids, int64_t count, float *out,
+    #                             int nthreads);
+    "pagellm_dequantize_rows": (_INT, [_PTR, _PTR, _I64, _PTR, _INT]),
+    # int64_t pagellm_interleave(int type, const uint8_t *src, int64_t n, int64_t row_bytes, uint8_t *dst);
+    "pagellm_interleave": (_I64, [_INT, _PTR, _I64, _I64, _PTR]),
+    # int pagellm_matmul(const pagellm_matrix *w, const float *x, int64_t m, int64_t ldx, float *out, int nthreads);
+    "pagellm_matmul": (_INT, [_PTR, _PTR, _I64, _I64, _PTR, _INT]),
+}
+
+
 @cache
 def load() -> ctypes.CDLL | None:
-    library = load_library(_SOURCE, _FLAGS, "packed-weight linear layers")
-    if library is not None:
-        library.pagellm_dequantize_rows.argtypes = [_PTR, _PTR, _I64, _PTR, _INT]
-        library.pagellm_matmul.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _INT]
-        library.pagellm_interleave.argtypes = [_INT, _PTR, _I64, _I64, _PTR]
-        library.pagellm_dequantize_rows.restype = ctypes.c_int
-        library.pagellm_matmul.restype = ctypes.c_int
-        library.pagellm_interleave.restype = _I64
-    return library
+    return load_library(SOURCE, _FLAGS, "packed-weight linear layers", SIGNATURES)
 
 
 def available() -> bool:
@@ -67,6 +77,7 @@ def _check(status: int, what: str) -> None:
         raise ValueError(f"{what}: unsupported weight type or shape")
 
 
+# Mirrors linear_cpu.c's pagellm_matrix, field for field.
 class _Matrix(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("use_avx2", ctypes.c_int32), ("int8_activations", ctypes.c_int32),
                 ("w", _PTR), ("row_bytes", _I64),

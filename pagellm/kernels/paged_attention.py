@@ -1,8 +1,10 @@
-"""Paged decode attention on the CPU: the C kernel (built on first use by `kernels.build`) and its callers.
+"""The binding of `paged_attention_cpu.c`: paged decode attention on the CPU and the cache write that feeds it.
 
-The kernel spreads (sequence, kv head, partition) units over OpenMP threads itself. Queries and outputs are
-float32; the cache may be float32, float16, bfloat16 or an 8-bit float (`KV_TYPES`). When the kernel cannot be
-built, `load()` returns None and the attention layer uses its PyTorch path.
+Owns the C library's ctypes signatures (`SIGNATURES`), its build flags, the numbering of cache element types
+(`KV_TYPES`) and the Python callers. The kernel spreads (sequence, kv head, partition) units over OpenMP threads
+itself. Queries and outputs are float32; the cache may be float32, float16, bfloat16 or an 8-bit float
+(`KV_TYPES`). When the kernel cannot be built, `load()` returns None and the attention layer uses its PyTorch
+path.
 """
 from __future__ import annotations
 
@@ -12,25 +14,35 @@ from pathlib import Path
 
 import torch
 
-from pagellm.kernels.build import isa_flags, load_library
+from pagellm.kernels.build import Signature, isa_flags, load_library
 
-_SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
+SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
-# The C side's KV_F32, KV_F16, KV_BF16, KV_E4M3, KV_E5M2.
+# The C side's KV_F32, KV_F16, KV_BF16, KV_E4M3, KV_E5M2 (kv_types.h).
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+
+# Every exported function of paged_attention_cpu.c, under the prototype it mirrors (tests/kernels/test_bindings.py
+# checks both ways). decoder_cpu.c calls the same two through its attention_fn and cache_fn pointer types.
+SIGNATURES: dict[str, Signature] = {
+    # int paged_decode_attention(const float *query, const void *key_cache, const void *value_cache,
+    #                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
+    #                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+    #                            int64_t block_size, int64_t max_blocks, float scale, int kv_type,
+    #                            int64_t requested_partition_tokens, int nthreads);
+    "paged_decode_attention": (_INT, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                      _F32, _INT, _I64, _INT]),
+    # void reshape_and_cache(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
+    #                        int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
+    #                        void *key_cache, void *value_cache, int kv_type);
+    "reshape_and_cache": (None, [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]),
+}
 
 
 @cache
 def load() -> ctypes.CDLL | None:
     # PAGELLM_CPU_ISA=scalar: the portable loops and conversions, as on a CPU without AVX2 or F16C (isa_flags).
-    library = load_library(_SOURCE, _FLAGS + isa_flags(), "CPU decode attention")
-    if library is not None:
-        library.paged_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 7 + [_F32, _INT, _I64, _INT]
-        library.paged_decode_attention.restype = _INT
-        library.reshape_and_cache.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _INT]
-        library.reshape_and_cache.restype = None
-    return library
+    return load_library(SOURCE, _FLAGS + isa_flags(), "CPU decode attention", SIGNATURES)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
