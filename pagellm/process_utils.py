@@ -20,9 +20,9 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from multiprocessing.context import BaseContext
+from multiprocessing.context import BaseContext, ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ GUARD = "if __name__ == '__main__':"
 _quiet_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
-def get_mp_context() -> BaseContext:
+def get_mp_context() -> ForkContext | SpawnContext | ForkServerContext:
     """The context to start worker ranks with: the method PAGELLM_WORKER_MULTIPROC_METHOD names, else fork where
     it is safe, else spawn."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # the flag multiprocessing's own check reads
@@ -50,7 +50,8 @@ def get_mp_context() -> BaseContext:
         if reason is not None:
             _log_spawn(reason)
         method = "spawn" if reason else "fork"
-    return multiprocessing.get_context(method)
+    # typeshed types get_context(str) as BaseContext, which lacks Process; every start method's context has it.
+    return cast(ForkContext | SpawnContext | ForkServerContext, multiprocessing.get_context(method))
 
 
 def startup_hint(context: BaseContext) -> str:

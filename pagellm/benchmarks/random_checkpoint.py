@@ -20,7 +20,7 @@ from pagellm.benchmarks.random_gguf import SPECIALS, byte_level_vocab
 # costs in the real model.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
-SHAPES = {
+SHAPES: dict[str, dict[str, object]] = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
                          rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072),

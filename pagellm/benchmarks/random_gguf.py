@@ -45,7 +45,7 @@ def mix_types(mix: str, layer: int) -> dict[str, GGMLQuantizationType]:
         larger = T.Q6_K if layer % 2 == 0 else main
         return {"attn_q": main, "attn_k": main, "attn_v": larger, "attn_output": main, "ffn_gate": main,
                 "ffn_up": main, "ffn_down": larger}
-    return dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), T[mix])
+    return dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), GGMLQuantizationType[mix])
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             blocks[:, offset:offset + 2] = scales.view(np.uint8)
         writer.add_tensor(name, blocks.reshape(rows, -1), raw_dtype=qtype)
 
-    embedding_type = T.Q6_K if args.mix in K_MIXES else T[args.mix]
+    embedding_type = T.Q6_K if args.mix in K_MIXES else GGMLQuantizationType[args.mix]
     matrix("token_embd.weight", len(vocab), hidden, embedding_type)
     for layer in range(args.layers):
         types, prefix = mix_types(args.mix, layer), f"blk.{layer}."

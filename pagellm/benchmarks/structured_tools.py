@@ -70,8 +70,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def tool_request(question: str, temperature: float, seed: int, max_tokens: int) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=[{"role": "user", "content": question}], tools=TOOLS,
-                                 tool_choice="required", temperature=temperature, seed=seed, max_tokens=max_tokens)
+    return ChatCompletionRequest.model_validate(dict(
+        messages=[{"role": "user", "content": question}], tools=TOOLS, tool_choice="required",
+        temperature=temperature, seed=seed, max_tokens=max_tokens))
 
 
 def tool_calls_failure(extracted: ExtractedToolCalls, request: ChatCompletionRequest) -> str | None:
