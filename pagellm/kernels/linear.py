@@ -142,8 +142,8 @@ class PackedMatmul:
 
     @property
     def int8_activations(self) -> bool:
-        """Whether products round the activations to int8 first (llama.cpp's arithmetic, linear_int8.h), instead of
-        the exact float32 default: K-quants at every length (prefill too), the 32-weight types up to 48 activation
+        """Whether products round the activations to int8 first (llama.cpp's arithmetic, linear_int8.inc), instead
+        of the exact float32 default: K-quants at every length (prefill too), the 32-weight types up to 48 activation
         rows (decode). Float weights ignore it."""
         return bool(self._matrix.int8_activations)
 

@@ -5,14 +5,14 @@
  * accumulated in float32. Dequantization (pagellm_dequantize_rows, and the tile path below) reproduces ggml's float
  * weights bit for bit (compiled with -ffp-contract=off, so `d * q + m` is rounded twice as there). The small-M path
  * regroups each block's products around its scales, d * sum(q x) + m * sum(x): the same sum up to float32
- * rounding. A matrix with `int8_activations` set takes llama.cpp's arithmetic on that path instead (linear_int8.h).
+ * rounding. A matrix with `int8_activations` set takes llama.cpp's arithmetic on that path instead (linear_int8.inc).
  *
  * Work split: for a few activation rows (up to PACKED_FUSED_MAX_ROWS, INT8_MAX_ROWS with int8 activations,
  * FUSED_MAX_M for float weights) each block is decoded in registers, once for every FUSED_MAX_M of them,
  * streaming the packed weights once; 32-weight block types go four weight rows at a time through the interleaved
  * layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded. For more rows (prefill), the
  * weight is dequantized once per call, a slice of a few rows at a time that stays in cache while it meets every
- * activation row in a register-blocked outer product (linear_tiles.h). The portable path dequantizes TILE_ROWS
+ * activation row in a register-blocked outer product (linear_tiles.inc). The portable path dequantizes TILE_ROWS
  * rows at a time into a buffer instead. Work is spread over OpenMP threads (the process's libgomp: the same pool
  * PyTorch uses).
  *
@@ -34,7 +34,7 @@
  * (a fused q|k|v whose v the file stores in another type): `parts` describes them and the other fields but n and
  * k are unused. */
 typedef struct pagellm_matrix {
-    int32_t type, use_avx2, int8_activations; /* int8_activations: linear_int8.h's arithmetic at small M */
+    int32_t type, use_avx2, int8_activations; /* int8_activations: linear_int8.inc's arithmetic at small M */
     const uint8_t *w;
     int64_t row_bytes, n, k, grouped_rows; /* grouped_rows: rows [0, grouped_rows) interleaved by four */
     int64_t num_parts;
@@ -47,7 +47,7 @@ typedef struct {
     int64_t ldx;
     const float *sum;      /* [m, k / 32]: each row's exact sum over every block of 32 */
     const float *sum16;    /* [m, k / 16]: the same over every 16 (Q2_K's minimums), or NULL */
-    const int8_t *q;       /* int8 activations [m, k] (linear_int8.h), or NULL */
+    const int8_t *q;       /* int8 activations [m, k] (linear_int8.inc), or NULL */
     const float *scale;    /* [m, k / q8_group(type)]: their scales */
     const int16_t *qsum16; /* [m, k / 16]: sums of q over each 16 */
 } activations;
@@ -122,20 +122,22 @@ AVX2 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-#include "linear_tiles.h"
+/* The fragments below are included here, not at the top: they use the types and static functions above, and
+ * sharing one translation unit lets the always_inline kernels inline across them. */
+#include "linear_tiles.inc"
 
-/* ---- small M: the block decoded in registers, no buffer (linear_fused.h; linear_int8.h when opted in) ---- */
+/* ---- small M: the block decoded in registers, no buffer (linear_fused.inc; linear_int8.inc when opted in) --- */
 #define FUSED_MAX_M 4 /* activation rows per kernel call: the register budget */
 /* Up to how many rows the small-M path beats dequantized tiles, calling the kernels FUSED_MAX_M rows at a time
  * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12; against
- * linear_tiles.h on TinyLlama's, 1.0-1.2x at 8); with int8 activations up to 48 on the 32-weight types (1.8x at
- * 8; at 48 even on Q4_1; 0.9x at 128 against linear_tiles.h); float weights only at FUSED_MAX_M (0.96x at 5).
- * K-quants with int8 activations take the small-M path at any length: against linear_tiles.h on TinyLlama's
+ * linear_tiles.inc on TinyLlama's, 1.0-1.2x at 8); with int8 activations up to 48 on the 32-weight types (1.8x at
+ * 8; at 48 even on Q4_1; 0.9x at 128 against linear_tiles.inc); float weights only at FUSED_MAX_M (0.96x at 5).
+ * K-quants with int8 activations take the small-M path at any length: against linear_tiles.inc on TinyLlama's
  * shapes it measured 1.2-1.25x at 64 rows and 1.05-1.15x at 512 (Q3_K 1.1x at 64, even from 128). */
 #define PACKED_FUSED_MAX_ROWS 8
 #define INT8_MAX_ROWS 48
-#include "linear_int8.h"
-#include "linear_fused.h"
+#include "linear_int8.inc"
+#include "linear_fused.inc"
 
 /* One call per m (1..FUSED_MAX_M), each a constant the kernel is specialised for. */
 #define FOR_M(m, call)                                                                                                \

@@ -13,6 +13,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,15 @@ def test_checker_catches_a_wrong_type_a_wrong_restype_and_an_unknown_symbol():
     assert any("exported: restype None" in p for p in problems)
     assert any("exported: argument 1 is c_int in SIGNATURES, `int64_t n` in C" in p for p in problems)
     assert any(p.startswith("helper: in SIGNATURES but not an exported function") for p in problems)
+
+
+def test_the_package_data_ships_every_kernel_source():
+    """pyproject.toml's package-data patterns for pagellm.kernels match every C file there, fragments included, so
+    a wheel can build the kernels."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("runs from a source checkout")
+    patterns = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["pagellm.kernels"]
+    folder = linear.SOURCE.parent
+    c_files = {path for path in folder.iterdir() if path.suffix in (".c", ".h", ".inc")}
+    assert c_files and c_files <= {path for pattern in patterns for path in folder.glob(pattern)}
