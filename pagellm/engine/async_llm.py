@@ -2,10 +2,11 @@
 
 The engine core runs apart: on a thread of this process (InprocClient), or as `--data-parallel-size` replicas in
 processes of their own (DPClient); see core_client.py. It only schedules, runs forward passes and samples.
-Everything else stays on the event loop: tokenization and validation (InputProcessor), detokenization, stop
-strings and RequestOutputs (OutputProcessor), and timing for metrics. Requests, aborts and sequences a stop string
-ended go to the client; each engine pass's CoreUpdate comes back on the client's thread and is handed to the
-event loop of each request's consumer with `loop.call_soon_threadsafe`. The model therefore never waits for text
+Everything else stays on the event loop, in the front end it shares with the offline engine (EngineFrontend:
+tokenization and validation, detokenization, stop strings, RequestOutputs, beam search results), with timing for
+metrics. Requests and aborts go to the client, and any other command as a utility call (`call_utility`: finishing
+sequences a stop string ended, the dashboard's state snapshot); each engine pass's CoreUpdate comes back on the
+client's thread and is handed to the event loop of each request's consumer with `loop.call_soon_threadsafe`. The model therefore never waits for text
 processing, and a busy HTTP side only delays its own outputs. Torch releases the GIL in its kernels, so both
 sides make progress on one process.
 """
@@ -14,23 +15,27 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Future
+from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
-from pagellm.config import EngineConfig
+from pagellm.beam_search import BeamSearchOutput
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import EngineCoreClient, InprocClient
+from pagellm.engine.core_loop import resolve_future
 from pagellm.engine.core_output import CoreUpdate, EngineCoreOutput
-from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.frontend import EngineFrontend
+from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.engine.output_processor import OutputProcessor
 from pagellm.exceptions import EngineDeadError, InvalidRequestError, request_failure
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger
 from pagellm.metrics.stats import (IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase,
                                    aggregate_scheduler_stats)
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
-from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = init_logger(__name__)
 
@@ -43,49 +48,52 @@ class _Aborted:
 class _RequestStream:
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # of RequestOutput | _Aborted | BaseException
+    queue: asyncio.Queue  # of RequestOutput | BeamSearchOutput | _Aborted | BaseException
     stats: RequestStateStats
     engine_index: int = 0  # the engine core (data-parallel replica) that runs it
 
 
 class AsyncLLM:
-    def __init__(self, client: EngineCoreClient, config: EngineConfig, eos_token_ids: frozenset[int] | set[int],
-                 max_waiting_requests: int | None = None, log_stats: bool = True) -> None:
+    def __init__(self, client: EngineCoreClient, frontend: EngineFrontend, max_waiting_requests: int | None = None,
+                 log_stats: bool = True) -> None:
         self.client = client
-        self.config = config
-        # The event loop's own tokenizer (a Hugging Face fast tokenizer must not be shared across threads).
-        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
-        self.input_processor = InputProcessor(config, client.num_blocks, self.tokenizer, eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        # Used on the event loop only from here on (the core runs on the client's threads or processes).
+        self.frontend = frontend
+        self.config = frontend.config
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers: list[StatLoggerBase] = [LoggingStatLogger(self.get_scheduler_stats)] if log_stats else []
         self._replica_stats: list[SchedulerStats] = client.initial_stats()  # each engine's latest snapshot
         self._streams: dict[str, _RequestStream] = {}  # live requests (the client's threads only read it)
-        self._state_waiters: set[asyncio.Future] = set()  # get_engine_state() calls being answered
+        self._utility_calls: set[Future] = set()  # call_utility() calls being answered
         self._stopped_reason: str | None = None
         client.start(self._on_update, self._on_dead)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None,
                     log_stats: bool = True) -> AsyncLLM:
-        """Serve with this engine's core, stepped by a thread of this process."""
+        """Serve with this engine's core, stepped by a thread of this process, and its front end."""
         _check_max_waiting_requests(max_waiting_requests)
-        return cls(InprocClient(engine.engine_core, max_waiting_requests), engine.config,
-                   engine.input_processor.eos_token_ids, max_waiting_requests, log_stats)
+        return cls(InprocClient(engine.engine_core, max_waiting_requests), engine.frontend, max_waiting_requests,
+                   log_stats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int | None = None,
                          log_stats: bool = True) -> AsyncLLM:
         _check_max_waiting_requests(max_waiting_requests)
-        if args.data_parallel_size == 1:
-            return cls.from_engine(LLMEngine.from_engine_args(args), max_waiting_requests, log_stats)
-        from pagellm.engine.dp_client import DPClient
-
         config = args.create_engine_config()
-        model_config = config.model_config
-        eos_token_ids = get_eos_token_ids(model_config.model, model_config.hf_config,
-                                          get_tokenizer(model_config.tokenizer))
-        return cls(DPClient(config, max_waiting_requests), config, eos_token_ids, max_waiting_requests, log_stats)
+        client: EngineCoreClient
+        if config.parallel_config.data_parallel_size == 1:
+            client = InprocClient(EngineCore(config), max_waiting_requests)
+        else:
+            from pagellm.engine.dp_client import DPClient
+
+            client = DPClient(config, max_waiting_requests)
+        try:
+            frontend = EngineFrontend(config, client.num_blocks)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(client, frontend, max_waiting_requests, log_stats)
 
     # ---- the asyncio side -----------------------------------------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
@@ -94,20 +102,52 @@ class AsyncLLM:
         the previous yield); the last has `finished=True`. `priority`: lower runs first, with --scheduling-policy
         priority. Bad input raises InvalidRequestError and a full waiting queue QueueFullError, both before
         anything is yielded. Leaving the iteration early aborts the request."""
-        if self._stopped_reason is not None:
-            raise EngineDeadError(self._stopped_reason)
+        self._check_alive()
         arrival = time.monotonic()
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
-            await asyncio.to_thread(self.input_processor.validate_structured_outputs,
+            await asyncio.to_thread(self.frontend.input_processor.validate_structured_outputs,
                                     sampling_params.structured_outputs)
-        request = self.input_processor.process(request_id, prompt, sampling_params, priority)
+        request = self.frontend.process(request_id, prompt, sampling_params, priority)
+        self._check_unused(request_id)
+        stream = self._open_stream(request_id, arrival)
+        self.frontend.track(request)
+        stream.engine_index = self.client.add_request(request)
+        async with aclosing(self._stream_outputs(stream)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def beam_search(self, prompt: PromptType, params: BeamSearchParams,
+                          request_id: str) -> AsyncIterator[BeamSearchOutput]:
+        """The beam search LLM.beam_search runs (beams inside the engine, sharing KV blocks), as a request of its
+        own: yields one BeamSearchOutput, beams best first, when it finishes. Errors and aborts as in generate()."""
+        self._check_alive()
+        self._check_unused(request_id)  # first: the front end keys a beam search's prompt length by its id
+        arrival = time.monotonic()
+        request, group = self.frontend.process_beam_search(request_id, prompt, params)
+        stream = self._open_stream(request_id, arrival)
+        stream.stats.num_prompt_tokens = request.num_prompt_tokens
+        stream.engine_index = self.client.add_request(request, group)
+        async with aclosing(self._stream_outputs(stream)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def _check_alive(self) -> None:
+        if self._stopped_reason is not None:
+            raise EngineDeadError(self._stopped_reason)
+
+    def _check_unused(self, request_id: str) -> None:
         if request_id in self._streams:
             raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
-        loop = asyncio.get_running_loop()
-        stream = _RequestStream(request_id, loop, asyncio.Queue(), RequestStateStats(arrival_time=arrival))
+
+    def _open_stream(self, request_id: str, arrival: float) -> _RequestStream:
+        stream = _RequestStream(request_id, asyncio.get_running_loop(), asyncio.Queue(),
+                                RequestStateStats(arrival_time=arrival))
         self._streams[request_id] = stream
-        self.output_processor.add_request(request)
-        stream.engine_index = self.client.add_request(request)
+        return stream
+
+    async def _stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
+        """A queued request's outputs until its last one; leaving early aborts it."""
+        request_id = stream.request_id
         if self._stopped_reason is not None:  # checked after queueing: a dying engine may have missed it
             self._drop(request_id)
             raise EngineDeadError(self._stopped_reason)
@@ -120,7 +160,7 @@ class AsyncLLM:
                     raise item
                 if isinstance(item, _Aborted):
                     return
-                done = item.finished
+                done = isinstance(item, BeamSearchOutput) or item.finished
                 yield item
         finally:
             self._drop(request_id)
@@ -140,7 +180,7 @@ class AsyncLLM:
 
     def _drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
-        self.output_processor.abort_requests([request_id])
+        self.frontend.abort([request_id])
 
     def shutdown(self) -> None:
         """Abort every request in flight (each consumer gets EngineDeadError) and stop the engine cores."""
@@ -178,19 +218,21 @@ class AsyncLLM:
     async def get_engine_state(self, engine_index: int = 0) -> dict:
         """A JSON-able snapshot of one engine's queues and KV block pools (see core/state_snapshot.py), taken by its
         loop between two steps: the scheduler and the block pools are not thread-safe."""
+        return await self.call_utility("engine_state", engine_index=engine_index)
+
+    async def call_utility(self, method: str, *args: Any, engine_index: int = 0) -> Any:
+        """Run the `@utility` method `method` of one engine core (engine/core.py) between two of its steps; its
+        result, or the exception it raised (EngineDeadError when the engine stops first)."""
         self.check_engine_index(engine_index)
-        if self._stopped_reason is not None:
-            raise EngineDeadError(self._stopped_reason)
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._state_waiters.add(future)
+        self._check_alive()
+        future = self.client.call_utility(engine_index, method, *args)
+        self._utility_calls.add(future)
         try:
-            self.client.request_state(engine_index, lambda state: self._call_soon(loop, _settle, future, state))
             if self._stopped_reason is not None:  # checked after asking: a dying engine may never answer
                 raise EngineDeadError(self._stopped_reason)
-            return await future
+            return await asyncio.wrap_future(future)
         finally:
-            self._state_waiters.discard(future)
+            self._utility_calls.discard(future)
 
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
         self.stat_loggers.append(stat_logger)
@@ -199,15 +241,15 @@ class AsyncLLM:
         for stat_logger in self.stat_loggers:
             stat_logger.log()
 
-    def _process_core_outputs(self, engine_index: int, outputs: list[EngineCoreOutput],
-                              failed: dict[str, str]) -> None:
+    def _process_core_outputs(self, engine_index: int, outputs: list[EngineCoreOutput], failed: dict[str, str],
+                              beam_searches: dict[str, BeamSearchOutput]) -> None:
         """On the event loop: detokenize one engine pass's outputs, report stop-string finishes to the engine,
-        timestamp and queue each request's RequestOutput, then record their stats. Requests that failed (in the
-        core, or here while building their output) end with RequestFailedError, or InvalidRequestError when the
-        request itself was at fault."""
-        processed = self.output_processor.process_outputs(outputs, delta=True)
+        timestamp and queue each request's RequestOutput (and each finished beam search's result), then record
+        their stats. Requests that failed (in the core, or here while building their output) end with
+        RequestFailedError, or InvalidRequestError when the request itself was at fault."""
+        processed = self.frontend.output_processor.process_outputs(outputs, delta=True)
         if processed.stopped:
-            self.client.finish_stopped(engine_index, processed.stopped)
+            self.client.call_utility(engine_index, "finish_stopped", processed.stopped)  # the engine logs a failure
         if processed.failed:  # the core still runs these: free their blocks
             self.client.abort_requests(list(processed.failed))
         failures = IterationStats(engine_index=engine_index)
@@ -233,6 +275,12 @@ class AsyncLLM:
                 del self._streams[output.request_id]
             stream.stats.update(output, now, iteration)
             stream.queue.put_nowait(output)
+        for request_id, result in beam_searches.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                output = self.frontend.finish_beam_search(request_id, result)
+                _record_beam_search(stream.stats, output, now, iteration)
+                stream.queue.put_nowait(output)
         self._record(iteration)
 
     def _fail(self, request_ids: Iterable[str] | None, error: BaseException) -> None:
@@ -252,17 +300,22 @@ class AsyncLLM:
         """Hand one engine pass's outputs and refusals to the event loops of their consumers (one wake-up of each
         loop per pass)."""
         self._replica_stats[engine_index] = update.stats  # before the outputs: a finished request is not counted
-        batches: dict[asyncio.AbstractEventLoop, tuple[list[EngineCoreOutput], dict[str, str]]] = {}
+        batches: dict[asyncio.AbstractEventLoop,
+                      tuple[list[EngineCoreOutput], dict[str, str], dict[str, BeamSearchOutput]]] = {}
         for output in update.outputs.outputs:
             stream = self._streams.get(output.group_id)
             if stream is not None:
-                batches.setdefault(stream.loop, ([], {}))[0].append(output)
+                batches.setdefault(stream.loop, ([], {}, {}))[0].append(output)
         for request_id, error in update.outputs.failed.items():
             stream = self._streams.get(request_id)
             if stream is not None:
-                batches.setdefault(stream.loop, ([], {}))[1][request_id] = error
-        for loop, (items, failed) in batches.items():
-            self._call_soon(loop, self._process_core_outputs, engine_index, items, failed)
+                batches.setdefault(stream.loop, ([], {}, {}))[1][request_id] = error
+        for request_id, result in update.outputs.finished_beam_searches.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                batches.setdefault(stream.loop, ([], {}, {}))[2][request_id] = result
+        for loop, (items, failed, beam_searches) in batches.items():
+            self._call_soon(loop, self._process_core_outputs, engine_index, items, failed, beam_searches)
         for request_id, error in update.refused.items():
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -276,8 +329,8 @@ class AsyncLLM:
         self._stopped_reason = reason  # first: generate() checks it after queueing, so nothing queued is missed
         for loop in {stream.loop for stream in list(self._streams.values())}:
             self._call_soon(loop, self._fail, None, EngineDeadError(reason))
-        for future in list(self._state_waiters):
-            self._call_soon(future.get_loop(), _settle, future, EngineDeadError(reason))
+        for future in list(self._utility_calls):
+            resolve_future(future, False, EngineDeadError(reason))
 
     def _call_soon(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         try:
@@ -289,12 +342,15 @@ class AsyncLLM:
             self.client.abort_requests(orphans)
 
 
-def _settle(future: asyncio.Future, result: dict | BaseException) -> None:
-    if not future.done():  # the asking coroutine may have been cancelled meanwhile
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
+def _record_beam_search(stats: RequestStateStats, output: BeamSearchOutput, now: float,
+                        iteration: IterationStats) -> None:
+    """A finished beam search counts its prompt, and its best beam's tokens as generated."""
+    best = output.sequences[0] if output.sequences else None
+    iteration.num_prompt_tokens += stats.num_prompt_tokens
+    if best is not None:
+        stats.num_generation_tokens = len(best.tokens) - stats.num_prompt_tokens
+        iteration.num_generation_tokens += stats.num_generation_tokens
+    iteration.finished_requests.append(stats.finished(best.finish_reason if best else "length", now))
 
 
 def _check_max_waiting_requests(max_waiting_requests: int | None) -> None:

@@ -1,5 +1,13 @@
 """EngineCore: the step loop. Schedule, execute on the workers, update request state.
 
+The step function is chosen once, at start, by how batches overlap (vLLM's `step_fn`): `_step_sync` runs one batch
+at a time; `_step_pipelined` keeps one batch per pipeline stage in flight; `_step_async` schedules the next batch
+while the current one runs (async scheduling). `step()` runs the chosen one.
+
+Besides adding and aborting requests, what a client may ask of the core goes through one generic call:
+`call_utility(name, *args)` runs a method marked `@utility` (the allow-list is those marks), whatever the client
+(the offline engine, the engine thread, a replica process). A new command is one such method and its caller.
+
 Failures stay as small as they can: a request whose own work fails (in the worker or while its results are
 applied) fails alone with its group; a step that fails as a whole fails the requests it held, and the engine goes
 on once the block accounting checks out. Only repeated whole-step failures, or accounting that no longer adds
@@ -8,6 +16,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
@@ -15,6 +25,7 @@ from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.output import SchedulerOutput
 from pagellm.core.sched.scheduler import Scheduler
+from pagellm.core.state_snapshot import engine_state
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
@@ -27,6 +38,15 @@ logger = init_logger(__name__)
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 # With nothing to run but requests whose grammars compile, a step waits this long at most for one of them.
 GRAMMAR_WAIT_S = 0.05
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def utility(method: F) -> F:
+    """Mark an EngineCore method as one that clients may run by name through `EngineCore.call_utility`. Its
+    arguments and result cross a process boundary with data-parallel replicas, so they must pickle."""
+    method.engine_utility = True  # type: ignore[attr-defined]
+    return method
 
 
 class EngineCore:
@@ -47,12 +67,18 @@ class EngineCore:
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
         self.async_scheduling = config.scheduler_config.async_scheduling
-        # Async scheduling keeps the next batch queued behind the running one (see core/sched/async_scheduling.py).
-        self.max_in_flight = 2 if self.async_scheduling else self.executor.max_concurrent_batches
+        self.num_stages = self.executor.max_concurrent_batches
+        # Async scheduling keeps the next batch queued behind the running one (see core/sched/async_scheduling.py);
+        # it needs the in-process executor, so it never meets a pipeline.
+        self.max_in_flight = 2 if self.async_scheduling else self.num_stages
         # Async scheduling: the newest batch, submitted up to its sampling, whose constrained sequences wait for the
         # batch before it to be applied (their bitmask needs the grammars advanced by its tokens).
         self._sample_later: SchedulerOutput | None = None
+        self.step_fn: Callable[[], EngineCoreOutputs] = (
+            self._step_async if self.async_scheduling else self._step_pipelined if self.num_stages > 1
+            else self._step_sync)
 
+    # ---- requests (the hot path) --------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
         self.scheduler.add_request(request, beam_group)
 
@@ -70,43 +96,101 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
+    # ---- utilities: what clients call by name ---------------------------------------------------------------
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run the `@utility` method `method` with `args`; anything else is refused with ValueError."""
+        function = getattr(type(self), method, None)
+        if not getattr(function, "engine_utility", False):
+            raise ValueError(f"{method!r} is not an engine utility.")
+        return function(self, *args)
+
+    @utility
+    def finish_stopped(self, stop_reasons: dict[str, str]) -> None:
+        """Finish the sequences a stop string ended (sequence id -> that stop string), freeing their blocks."""
+        self.finish_requests(list(stop_reasons), RequestStatus.FINISHED_STOPPED, stop_reasons=dict(stop_reasons))
+
+    @utility
+    def engine_state(self) -> dict:
+        """A JSON-able snapshot of the queues and KV block pools, for the dashboard (core/state_snapshot.py)."""
+        return engine_state(self.scheduler)
+
+    # ---- the step functions ---------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        """One pass: schedule a batch and submit it to the executor if it may take one more (with async scheduling:
-        unless a request in flight must wait for its results); then, unless more can be submitted first (a
-        pipeline with a stage free, the first batch of async scheduling), collect the oldest batch and apply its
-        results.
-        Returns what is new for every sequence that got a token, and finished beam searches (nothing when a pass
-        only submitted)."""
+        """One pass of the step function chosen at start. Returns what is new for every sequence that got a token,
+        and finished beam searches (nothing when a pass only submitted a batch)."""
+        return self.step_fn()
+
+    def _step_sync(self) -> EngineCoreOutputs:
+        """One batch at a time: schedule it, run it, apply its results."""
         start = time.perf_counter()
-        stages = self.executor.max_concurrent_batches
-        if len(self._in_flight) < self.max_in_flight and (
-                not self._in_flight or not self.async_scheduling or self.scheduler.can_schedule_ahead()):
-            # A batch per stage: split the requests so that each stage has one to work on.
-            output = self.scheduler.schedule(-(-self.scheduler.num_unfinished // stages) if stages > 1 else None)
-            # Before submitting: an in-process executor runs the whole step inside submit_model, and the
-            # worker times that itself (prepare_inputs, forward, sample).
-            self.step_timings.add({"schedule": time.perf_counter() - start})
+        output = self._schedule(None, start)
+        if output.is_empty:
+            return self._idle()
+        self._submit(output)
+        return self._collect()
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """A batch per pipeline stage: submit one more while a stage is free (the requests split so that each stage
+        has one to work on), else collect the oldest and apply its results."""
+        start = time.perf_counter()
+        if len(self._in_flight) < self.max_in_flight:
+            output = self._schedule(-(-self.scheduler.num_unfinished // self.num_stages), start)
+            if not output.is_empty:
+                self._submit(output)
+                if len(self._in_flight) < self.max_in_flight:
+                    return EngineCoreOutputs()
+        if not self._in_flight:
+            return self._idle()
+        return self._collect()
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Async scheduling: schedule and submit the next batch while the previous one runs (unless a request in
+        flight must wait for its results), then collect the oldest batch; the first batch is only submitted."""
+        start = time.perf_counter()
+        if len(self._in_flight) < self.max_in_flight and (not self._in_flight
+                                                           or self.scheduler.can_schedule_ahead()):
+            output = self._schedule(None, start)
             if not output.is_empty:
                 if self._in_flight and self.scheduler.needs_late_bitmask(output):
                     self.executor.submit_forward(output)
                     self._sample_later = output
+                    self._in_flight.append(output)
                 else:
-                    # The constrained sequences' bitmask is computed while the workers run the forward pass; the
-                    # rank that samples waits for it only then (vLLM's split of execute_model and sample_tokens).
-                    self.executor.submit_model(output, self.scheduler.start_grammar_bitmask(output))
-                self._in_flight.append(output)
-            if not output.is_empty and len(self._in_flight) < self.max_in_flight:
-                return EngineCoreOutputs()
+                    self._submit(output)
+                if len(self._in_flight) < self.max_in_flight:
+                    return EngineCoreOutputs()
         if not self._in_flight:
-            if self.scheduler.waiting_for_fsm:
-                # Only requests whose grammars compile are left: wait for one instead of spinning.
-                self.structured_output_manager.wait_for_any(
-                    [r.structured_output_request for r in self.scheduler.waiting_for_fsm], GRAMMAR_WAIT_S)
-                return EngineCoreOutputs()
-            if self.scheduler.has_unfinished_requests():
-                # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
-                raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
+            return self._idle()
+        return self._collect()
+
+    # ---- the parts of a step --------------------------------------------------------------------------------
+    def _schedule(self, max_scheduled: int | None, start: float) -> SchedulerOutput:
+        output = self.scheduler.schedule(max_scheduled)
+        # Before submitting: an in-process executor runs the whole step inside submit_model, and the worker times
+        # that itself (prepare_inputs, forward, sample).
+        self.step_timings.add({"schedule": time.perf_counter() - start})
+        return output
+
+    def _submit(self, output: SchedulerOutput) -> None:
+        # The constrained sequences' bitmask is computed while the workers run the forward pass; the rank that
+        # samples waits for it only then (vLLM's split of execute_model and sample_tokens).
+        self.executor.submit_model(output, self.scheduler.start_grammar_bitmask(output))
+        self._in_flight.append(output)
+
+    def _idle(self) -> EngineCoreOutputs:
+        """Nothing was scheduled and nothing is in flight."""
+        if self.scheduler.waiting_for_fsm:
+            # Only requests whose grammars compile are left: wait for one instead of spinning.
+            self.structured_output_manager.wait_for_any(
+                [r.structured_output_request for r in self.scheduler.waiting_for_fsm], GRAMMAR_WAIT_S)
             return EngineCoreOutputs()
+        if self.scheduler.has_unfinished_requests():
+            # Every admitted request fits the pool on its own, so this means a bookkeeping bug: fail, never hang.
+            raise RuntimeError("The scheduler could not schedule any of the unfinished requests.")
+        return EngineCoreOutputs()
+
+    def _collect(self) -> EngineCoreOutputs:
+        """Collect the oldest batch in flight and apply its results."""
         output = self._in_flight.popleft()
         try:
             result = self.executor.collect_model_output()

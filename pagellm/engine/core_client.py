@@ -4,18 +4,25 @@
 - `DPClient` (dp_client.py): `--data-parallel-size` engine replicas, each an EngineCore in a child process
   (core_proc.py), each request routed to one of them.
 
+Requests and aborts are the hot path, with methods of their own; everything else a front end asks of a core goes
+through `call_utility(engine_index, name, *args)`, which runs the `@utility` method `name` of that EngineCore
+(engine/core.py) between two of its steps and resolves a Future with the result.
+
 Every client reports back through two callbacks given to `start`: `on_update(engine_index, CoreUpdate)` after each
-pass of a core's loop, and `on_dead(reason)` once, when a core can no longer run. Both may be called from any
-thread of the client's.
+pass of a core's loop, and `on_dead(reason)` once, when a core can no longer run. Both, and the callbacks of the
+futures `call_utility` returns, may be called from any thread of the client's.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
 
+from pagellm.core.beam_group import BeamGroup
 from pagellm.core.request import Request
 from pagellm.engine.core import EngineCore
-from pagellm.engine.core_loop import EngineCoreLoop, StateCallback
+from pagellm.engine.core_loop import EngineCoreLoop
 from pagellm.engine.core_output import CoreUpdate
 from pagellm.metrics.stats import SchedulerStats
 
@@ -40,20 +47,18 @@ class EngineCoreClient(ABC):
         """Start the engines' loops; from here on they report through the callbacks."""
 
     @abstractmethod
-    def add_request(self, request: Request) -> int:
-        """Queue a request (refusals come back in a CoreUpdate); returns the index of the engine it went to."""
+    def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> int:
+        """Queue a request, or the first beam of a beam search with its group (refusals come back in a CoreUpdate);
+        returns the index of the engine it went to."""
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort these requests (user request ids) wherever they run; unknown ids are ignored."""
 
     @abstractmethod
-    def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
-        """Finish sequences a stop string ended (sequence id -> stop string), all on one engine."""
-
-    @abstractmethod
-    def request_state(self, engine_index: int, reply: StateCallback) -> None:
-        """Have `reply` called (on a client thread) with that engine's state snapshot, or the exception it raised."""
+    def call_utility(self, engine_index: int, method: str, *args: Any) -> Future:
+        """Have engine `engine_index` run `EngineCore.call_utility(method, *args)` between two steps; the future
+        gets the result, or the exception raised (EngineDeadError if the engine stopped first)."""
 
     @abstractmethod
     def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
@@ -82,18 +87,15 @@ class InprocClient(EngineCoreClient):
                                     self.max_waiting_requests)
         self._loop.start()
 
-    def add_request(self, request: Request) -> int:
-        self._loop.add_request(request)
+    def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> int:
+        self._loop.add_request(request, beam_group)
         return 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._loop.abort_requests(request_ids)
 
-    def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
-        self._loop.finish_stopped(stop_reasons)
-
-    def request_state(self, engine_index: int, reply: StateCallback) -> None:
-        self._loop.request_state(reply)
+    def call_utility(self, engine_index: int, method: str, *args: Any) -> Future:
+        return self._loop.call_utility(method, *args)
 
     def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
         return self.core.scheduler.num_fitting(demands)  # reads only constants: safe from any thread

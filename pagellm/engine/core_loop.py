@@ -1,8 +1,9 @@
 """EngineCoreLoop: one EngineCore stepped by a thread of its own, fed through an inbox.
 
 The loop owns the core: nothing else touches the scheduler or the executor once it runs. Other threads (the server's
-event loop, or a replica process's pipe reader) queue commands (add, abort, finish after a stop string, a state
-snapshot for the dashboard, shutdown); the loop applies them between steps, sleeps on the inbox while idle, and
+event loop, or a replica process's pipe reader) queue commands: add and abort (the hot path), `call_utility` (any
+`@utility` method of EngineCore, by name: finish after a stop string, the dashboard's state snapshot, ...; its
+result comes back in a Future) and shutdown. The loop applies them between steps, sleeps on the inbox while idle, and
 after every pass publishes a CoreUpdate: the step's outputs, the requests it refused, the requests that left the
 core, and a scheduler snapshot. When the core can no longer run (a worker died, the step raised), `on_dead(reason)`
 is called once after every request has been aborted.
@@ -12,10 +13,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from typing import Any
 
-from pagellm.core.request import Request, RequestStatus
-from pagellm.core.state_snapshot import engine_state
+from pagellm.core.beam_group import BeamGroup
+from pagellm.core.request import Request
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_output import CoreUpdate, EngineCoreOutputs
 from pagellm.exceptions import EngineDeadError, QueueFullError
@@ -24,19 +27,22 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
+class _Add:
+    request: Request
+    beam_group: BeamGroup | None
+
+
+@dataclass(slots=True)
 class _Abort:
     request_ids: list[str]
 
 
 @dataclass
-class _FinishStopped:
-    stop_reasons: dict[str, str]  # sequence id -> the stop string that ended it
-
-
-@dataclass
-class _StateRequest:
-    reply: StateCallback
+class _Utility:
+    method: str
+    args: tuple[Any, ...]
+    future: Future
 
 
 @dataclass
@@ -45,7 +51,6 @@ class _ExecutorFailed:
 
 
 _SHUTDOWN = object()
-StateCallback = Callable[[dict | BaseException], None]
 
 
 class EngineCoreLoop:
@@ -66,19 +71,19 @@ class EngineCoreLoop:
         self._thread.start()
 
     # ---- commands (any thread) --------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self._inbox.put(request)
+    def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
+        self._inbox.put(_Add(request, beam_group))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._inbox.put(_Abort(request_ids))
 
-    def finish_stopped(self, stop_reasons: dict[str, str]) -> None:
-        self._inbox.put(_FinishStopped(stop_reasons))
-
-    def request_state(self, reply: StateCallback) -> None:
-        """Have `reply` called on the loop's thread with the engine state snapshot (core/state_snapshot.py), or
-        with the exception that taking it raised."""
-        self._inbox.put(_StateRequest(reply))
+    def call_utility(self, method: str, *args: Any) -> Future:
+        """Run `EngineCore.call_utility(method, *args)` on the loop's thread between two steps. The future gets its
+        result or the exception it raised (EngineDeadError once the loop has stopped); its callbacks run on the
+        loop's thread."""
+        future: Future = Future()
+        self._inbox.put(_Utility(method, args, future))
+        return future
 
     def shutdown(self) -> None:
         """Stop the loop (requests in flight are aborted) and the core's workers."""
@@ -118,40 +123,40 @@ class EngineCoreLoop:
         except queue.Empty:
             return True
         while item is not _SHUTDOWN:
-            if isinstance(item, Request):
-                self._add(item)
-            elif isinstance(item, _ExecutorFailed):
-                raise EngineDeadError(item.reason)
-            elif isinstance(item, _StateRequest):
-                self._answer_state(item.reply)
-            elif isinstance(item, _FinishStopped):
-                self.core.finish_requests(list(item.stop_reasons), RequestStatus.FINISHED_STOPPED,
-                                          stop_reasons=dict(item.stop_reasons))
-            else:
+            if isinstance(item, _Add):
+                self._add(item.request, item.beam_group)
+            elif isinstance(item, _Abort):
                 self.core.abort_requests(item.request_ids)
                 self._live.difference_update(item.request_ids)
+            elif isinstance(item, _Utility):
+                self._run_utility(item)
+            else:
+                raise EngineDeadError(item.reason)  # _ExecutorFailed
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
         return False
 
-    def _answer_state(self, reply: StateCallback) -> None:
+    def _run_utility(self, item: _Utility) -> None:
+        if item.future.done():
+            return  # the caller gave up on it, or was told the engine stopped
         try:
-            state: dict | BaseException = engine_state(self.core.scheduler)
-        except Exception as exc:  # a dashboard must never stop the engine
-            logger.exception("Could not take a snapshot of the engine state.")
-            state = exc
-        reply(state)
+            result = self.core.call_utility(item.method, *item.args)
+        except Exception as exc:  # the caller's to handle: a utility (a dashboard's snapshot) never stops the engine
+            logger.exception("Engine utility %r failed.", item.method)
+            resolve_future(item.future, False, exc)
+        else:
+            resolve_future(item.future, True, result)
 
-    def _add(self, request: Request) -> None:
+    def _add(self, request: Request, beam_group: BeamGroup | None) -> None:
         try:
             if self.max_waiting_requests is not None:
                 waiting = self.core.scheduler.num_waiting_for_capacity()
                 if waiting >= self.max_waiting_requests:
                     raise QueueFullError(f"{waiting} requests are already waiting for capacity "
                                          f"(--max-waiting-requests); retry later.")
-            self.core.add_request(request)
+            self.core.add_request(request, beam_group)
         except Exception as exc:  # refused: fails this request only
             self._refused[request.request_id] = exc
             return
@@ -166,4 +171,27 @@ class EngineCoreLoop:
         except Exception:
             logger.exception("Could not abort the requests in flight.")
         self._live.clear()
+        self._fail_pending_utilities(reason)
         self._on_dead(reason)
+
+    def _fail_pending_utilities(self, reason: str) -> None:
+        """Utility calls still queued will never run: their callers get EngineDeadError rather than wait forever."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Utility):
+                resolve_future(item.future, False, EngineDeadError(reason))
+
+
+def resolve_future(future: Future, ok: bool, value: Any) -> None:
+    """Set a utility call's result (`ok`) or exception, unless it is already settled: cancelled by its caller, or
+    failed because the engine stopped (the front end fails its calls then, from another thread)."""
+    try:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    except InvalidStateError:
+        pass

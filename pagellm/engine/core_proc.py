@@ -2,8 +2,8 @@
 (DPClient drives several).
 
 The child builds an EngineCore (with its own executor, which may spawn tp x pp worker processes of its own), reports
-its number of KV blocks, then runs an EngineCoreLoop: commands arrive over a duplex pipe (add, abort, finish after a
-stop string, state snapshot, shutdown) and every CoreUpdate (and snapshot) goes back over it. In the parent a reader
+its number of KV blocks, then runs an EngineCoreLoop: commands arrive over a duplex pipe (add, abort, a utility call
+by name, shutdown) and every CoreUpdate (and utility result) goes back over it. In the parent a reader
 thread hands the updates to the client's callback. A replica that exits (killed, crashed) closes its end of the
 pipe: the reader sees that at once and reports the engine dead. Replicas die with the server (PR_SET_PDEATHSIG), so
 none is left behind however the server ends.
@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import pickle
 import signal
 import threading
 import traceback
 import weakref
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from pagellm.config import EngineConfig
+from pagellm.core.beam_group import BeamGroup
 from pagellm.core.request import Request
+from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import DeadCallback, UpdateCallback
-from pagellm.engine.core_loop import StateCallback
+from pagellm.engine.core_loop import EngineCoreLoop, resolve_future
 from pagellm.engine.core_output import CoreUpdate
+from pagellm.exceptions import EngineDeadError
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.process_utils import die_with_parent, kill_processes
@@ -55,8 +60,9 @@ class EngineReplica:
         self._closing = False
         self._num_blocks = 0
         self._initial_stats: SchedulerStats | None = None
-        self._state_replies: dict[int, StateCallback] = {}  # state requests sent, by token
-        self._state_tokens = itertools.count()
+        self._utility_calls: dict[int, Future] = {}  # utility calls sent and not yet answered, by token
+        self._utility_tokens = itertools.count()
+        self._utility_lock = threading.Lock()  # the calls: callers add, the reader resolves
 
     def wait_ready(self) -> None:
         while not self._conn.poll(_POLL_SECONDS):
@@ -81,19 +87,20 @@ class EngineReplica:
         threading.Thread(target=self._read, args=(on_update, on_dead), daemon=True,
                          name=f"pagellm-engine-{self.engine_index}-reader").start()
 
-    def add_request(self, request: Request) -> None:
-        self._send("add", request)
+    def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
+        self._send("add", (request, beam_group))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send("abort", request_ids)
 
-    def finish_stopped(self, stop_reasons: dict[str, str]) -> None:
-        self._send("finish_stopped", stop_reasons)
-
-    def request_state(self, reply: StateCallback) -> None:
-        token = next(self._state_tokens)
-        self._state_replies[token] = reply
-        self._send("state", token)
+    def call_utility(self, method: str, *args: Any) -> Future:
+        """Run `EngineCore.call_utility(method, *args)` in the replica; the future is resolved by the reader."""
+        future: Future = Future()
+        with self._utility_lock:
+            token = next(self._utility_tokens)
+            self._utility_calls[token] = future
+        self._send("utility", (token, method, args))
+        return future
 
     def shutdown(self) -> None:
         if self._closing:
@@ -116,17 +123,28 @@ class EngineReplica:
             try:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):
+                reason = f"Engine replica {self.engine_index} exited unexpectedly ({self._exit()})."
+                self._fail_utility_calls(reason)
                 if not self._closing:
-                    on_dead(f"Engine replica {self.engine_index} exited unexpectedly ({self._exit()}).")
+                    on_dead(reason)
                 return
             if kind == "update":
                 on_update(self.engine_index, payload)
-            elif kind == "state":
-                token, state = payload
-                self._state_replies.pop(token)(state)
+            elif kind == "utility":
+                token, ok, value = payload
+                with self._utility_lock:
+                    future = self._utility_calls.pop(token)
+                resolve_future(future, ok, value)
             elif not self._closing:  # "dead": its loop stopped
+                self._fail_utility_calls(f"Engine replica {self.engine_index}: {payload}")
                 on_dead(f"Engine replica {self.engine_index}: {payload}")
                 return
+
+    def _fail_utility_calls(self, reason: str) -> None:
+        with self._utility_lock:
+            calls, self._utility_calls = self._utility_calls, {}
+        for future in calls.values():
+            resolve_future(future, False, EngineDeadError(reason))
 
     def _exit(self) -> str:
         self.process.join(_POLL_SECONDS)
@@ -137,8 +155,6 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
     """The replica process: build the core, then serve commands until shutdown or until the server goes away."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it shuts replicas down
-    from pagellm.engine.core import EngineCore
-    from pagellm.engine.core_loop import EngineCoreLoop
 
     try:
         core = EngineCore(config)
@@ -147,17 +163,23 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
         return
     conn.send(("ready", (core.num_blocks, core.scheduler.stats())))
 
+    send_lock = threading.Lock()  # the loop's thread sends; a utility call that finished at once sends from here
+
     def send(kind: str, payload: CoreUpdate | str | tuple) -> None:
         try:
-            conn.send((kind, payload))
+            with send_lock:
+                conn.send((kind, payload))
         except OSError:
             pass  # the server is gone; PR_SET_PDEATHSIG ends this process
+
+    def call_utility(token: int, method: str, args: tuple) -> None:
+        loop.call_utility(method, *args).add_done_callback(lambda future: send("utility", (token, *_outcome(future))))
 
     loop = EngineCoreLoop(core, lambda update: send("update", update), lambda reason: send("dead", reason),
                           max_waiting_requests)
     loop.start()
-    commands = {"add": loop.add_request, "abort": loop.abort_requests, "finish_stopped": loop.finish_stopped,
-                "state": lambda token: loop.request_state(lambda state: send("state", (token, state)))}
+    commands = {"add": lambda payload: loop.add_request(*payload), "abort": loop.abort_requests,
+                "utility": lambda payload: call_utility(*payload)}
     while True:
         try:
             kind, payload = conn.recv()
@@ -167,3 +189,16 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
             break
         commands[kind](payload)
     loop.shutdown()
+
+
+def _outcome(future: Future) -> tuple[bool, Any]:
+    """(True, result) or (False, exception) of a finished utility call, as something that pickles."""
+    exc = future.exception()
+    if exc is None:
+        return True, future.result()
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    return False, exc
+

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
 
 from pagellm.config import EngineConfig
+from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.engine.core_client import DeadCallback, EngineCoreClient, UpdateCallback
-from pagellm.engine.core_loop import StateCallback
 from pagellm.engine.core_output import CoreUpdate
 from pagellm.engine.core_proc import EngineReplica
 from pagellm.engine.dp_router import LoadAwareRouter
@@ -65,11 +67,11 @@ class DPClient(EngineCoreClient):
         for replica in self.replicas:
             replica.start(self._update, replica_dead)
 
-    def add_request(self, request: Request) -> int:
+    def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> int:
         with self._lock:
             replica = self.router.route(request)
             self._owners[request.request_id] = replica
-        self.replicas[replica].add_request(request)
+        self.replicas[replica].add_request(request, beam_group)
         return replica
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -82,11 +84,8 @@ class DPClient(EngineCoreClient):
         for replica, ids in by_replica.items():
             self.replicas[replica].abort_requests(ids)
 
-    def finish_stopped(self, engine_index: int, stop_reasons: dict[str, str]) -> None:
-        self.replicas[engine_index].finish_stopped(stop_reasons)
-
-    def request_state(self, engine_index: int, reply: StateCallback) -> None:
-        self.replicas[engine_index].request_state(reply)
+    def call_utility(self, engine_index: int, method: str, *args: Any) -> Future:
+        return self.replicas[engine_index].call_utility(method, *args)
 
     def num_fitting(self, demands: Iterable[tuple[int, int]]) -> int:
         """As each replica's scheduler counts, with every demand placed on the replica with the most free blocks."""

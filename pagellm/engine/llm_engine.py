@@ -1,59 +1,74 @@
-"""LLMEngine: the synchronous engine behind the offline `LLM` API (input processing, EngineCore, outputs)."""
+"""LLMEngine: the synchronous engine behind the offline `LLM` API: the shared front end (engine/frontend.py) over
+one EngineCore, stepped by the caller."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pagellm.beam_search import BeamSearchOutput
 from pagellm.config import EngineConfig
-from pagellm.core.request import RequestStatus
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
+from pagellm.engine.frontend import EngineFrontend
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.exceptions import RequestFailedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
-from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 
 
 class LLMEngine:
+    """An EngineCore stepped by the caller, behind the shared front end (engine/frontend.py)."""
+
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel_config.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs engine replicas behind `pagellm serve`; the offline LLM "
                              "drives one engine: use tensor_parallel_size, or one LLM per process.")
         self.config = config
-        model_config = config.model_config
-        self.tokenizer = get_tokenizer(model_config.tokenizer)
         self.engine_core = EngineCore(config)
-        eos_token_ids = get_eos_token_ids(model_config.model, model_config.hf_config, self.tokenizer)
-        self.input_processor = InputProcessor(config, self.engine_core.num_blocks, self.tokenizer, eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._beam_prompt_lens: dict[str, int] = {}  # live beam searches: request id -> prompt length
+        self.frontend = EngineFrontend(config, self.engine_core.num_blocks)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
+    @property
+    def tokenizer(self):
+        return self.frontend.tokenizer
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        return self.frontend.input_processor
+
+    @property
+    def output_processor(self) -> OutputProcessor:
+        return self.frontend.output_processor
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> int:
         """Validate and queue a request (`priority`: lower runs first, with --scheduling-policy priority); returns
         its prompt length. Raises ValueError on bad input."""
-        request = self.input_processor.process(request_id, prompt, params, priority)
+        request = self.frontend.process(request_id, prompt, params, priority)
         self.engine_core.add_request(request)
-        self.output_processor.add_request(request)
+        self.frontend.track(request)
         return request.num_prompt_tokens
 
     def add_beam_search_request(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> int:
         """Queue a beam search; its result comes back from `step_outputs` when it finishes."""
-        request, group = self.input_processor.process_beam_search(request_id, prompt, params)
-        self.engine_core.add_request(request, group)
-        self._beam_prompt_lens[request_id] = request.num_prompt_tokens
+        request, group = self.frontend.process_beam_search(request_id, prompt, params)
+        try:
+            self.engine_core.add_request(request, group)
+        except BaseException:
+            self.frontend.abort([request_id])
+            raise
         return request.num_prompt_tokens
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
-        self.output_processor.abort_requests(request_ids)
-        for request_id in request_ids:
-            self._beam_prompt_lens.pop(request_id, None)
+        self.frontend.abort(request_ids)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run an `@utility` method of the engine core (see engine/core.py), as AsyncLLM.call_utility does."""
+        return self.engine_core.call_utility(method, *args)
 
     def shutdown(self) -> None:
         """Stop the workers (worker processes with a multi-process executor)."""
@@ -83,18 +98,10 @@ class LLMEngine:
         self.engine_core.step_timings.add({"output_processing": time.perf_counter() - start})
         if processed.stopped:
             # A stop string ended these: finish them in the core now so their KV blocks go back to the pool.
-            self.engine_core.finish_requests(list(processed.stopped), RequestStatus.FINISHED_STOPPED,
-                                             stop_reasons=dict(processed.stopped))
+            self.engine_core.finish_stopped(processed.stopped)
         outputs: list[RequestOutput | BeamSearchOutput] = list(processed.request_outputs)
         for request_id, result in core_outputs.finished_beam_searches.items():
-            num_prompt_tokens = self._beam_prompt_lens.pop(request_id)
-            for sequence in result.sequences:
-                generated = sequence.tokens[num_prompt_tokens:]
-                if sequence.finish_reason == "stop":
-                    generated = generated[:-1]
-                sequence.text = self.tokenizer.decode(generated, skip_special_tokens=True)
-            result.request_id = request_id
-            outputs.append(result)
+            outputs.append(self.frontend.finish_beam_search(request_id, result))
         failed = core_outputs.failed | processed.failed
         if failed:
             self.abort_request(list(failed))
