@@ -82,19 +82,24 @@ def _encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
 
 def write_tiny_gguf(path: pathlib.Path, qtype: QT, *, arch: str = "llama", tied: bool = False,
                     rope_metadata: dict | None = None, rope_freqs: np.ndarray | None = None,
-                    seed: int = 0) -> dict[str, np.ndarray]:
-    """Write a tiny llama GGUF; return the HF-layout float weights it was made from."""
+                    heads: int = HEADS, kv_heads: int = KV_HEADS, seed: int = 0) -> dict[str, np.ndarray]:
+    """Write a tiny GGUF as llama.cpp's converter writes `arch` (llama: Q/K rows permuted; qwen2: QKV biases;
+    qwen3: per-head Q/K norms); return the HF-layout float weights it was made from."""
     rng = np.random.default_rng(seed)
     vocab = _tiny_vocab()
+    head_dim = HIDDEN // heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-llama")
+    w.add_name(f"tiny-{arch}")
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(INTERMEDIATE)
     w.add_block_count(LAYERS)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(len(vocab))
@@ -121,18 +126,26 @@ def write_tiny_gguf(path: pathlib.Path, qtype: QT, *, arch: str = "llama", tied:
         else:
             w.add_tensor(gguf_name, _encode(stored, qtype, rng), raw_dtype=qtype)
 
-    def norm(gguf_name: str, hf_name: str) -> None:
-        hf[hf_name] = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
+    def norm(gguf_name: str, hf_name: str, size: int = HIDDEN, spread: float = 0.1) -> None:
+        hf[hf_name] = (1 + spread * rng.standard_normal(size)).astype(np.float32)
         w.add_tensor(gguf_name, hf[hf_name])  # llama.cpp keeps 1-D tensors in F32
 
+    permuted = arch == "llama"  # convert_hf_to_gguf permutes Q/K for llama only (Qwen uses NeoX-mode rope)
     matrix("token_embd.weight", "model.embed_tokens.weight", len(vocab), HIDDEN)
     for i in range(LAYERS):
         p, q = f"blk.{i}.", f"model.layers.{i}."
         norm(p + "attn_norm.weight", q + "input_layernorm.weight")
-        matrix(p + "attn_q.weight", q + "self_attn.q_proj.weight", HEADS * HEAD_DIM, HIDDEN, HEADS)
-        matrix(p + "attn_k.weight", q + "self_attn.k_proj.weight", KV_HEADS * HEAD_DIM, HIDDEN, KV_HEADS)
-        matrix(p + "attn_v.weight", q + "self_attn.v_proj.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        matrix(p + "attn_output.weight", q + "self_attn.o_proj.weight", HIDDEN, HEADS * HEAD_DIM)
+        matrix(p + "attn_q.weight", q + "self_attn.q_proj.weight", heads * head_dim, HIDDEN, heads * permuted)
+        matrix(p + "attn_k.weight", q + "self_attn.k_proj.weight", kv_heads * head_dim, HIDDEN, kv_heads * permuted)
+        matrix(p + "attn_v.weight", q + "self_attn.v_proj.weight", kv_heads * head_dim, HIDDEN)
+        matrix(p + "attn_output.weight", q + "self_attn.o_proj.weight", HIDDEN, heads * head_dim)
+        if arch == "qwen2":
+            for name, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+                hf[f"{q}self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(rows)).astype(np.float32)
+                w.add_tensor(f"{p}attn_{name}.bias", hf[f"{q}self_attn.{name}_proj.bias"])
+        if arch == "qwen3":
+            norm(p + "attn_q_norm.weight", q + "self_attn.q_norm.weight", head_dim, 0.5)
+            norm(p + "attn_k_norm.weight", q + "self_attn.k_norm.weight", head_dim, 0.5)
         norm(p + "ffn_norm.weight", q + "post_attention_layernorm.weight")
         matrix(p + "ffn_gate.weight", q + "mlp.gate_proj.weight", INTERMEDIATE, HIDDEN)
         matrix(p + "ffn_up.weight", q + "mlp.up_proj.weight", INTERMEDIATE, HIDDEN)
@@ -164,12 +177,15 @@ def _reference(path: pathlib.Path):
     return model.config, model.state_dict()
 
 
-def _assert_matches_reference(out_dir: pathlib.Path, ref_config, ref_state: dict[str, torch.Tensor]) -> None:
+def _assert_matches_reference(out_dir: pathlib.Path, ref_config, ref_state: dict[str, torch.Tensor],
+                              architecture: str = "LlamaForCausalLM") -> None:
     ours = load_file(str(out_dir / "model.safetensors"))
     config = json.loads((out_dir / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["architectures"] == [architecture] and config["model_type"] == ref_config.model_type
     for field in CONFIG_FIELDS:
-        assert config[field] == getattr(ref_config, field), field
+        # Qwen2's config has no head_dim: hidden_size / heads.
+        default = ref_config.hidden_size // ref_config.num_attention_heads if field == "head_dim" else None
+        assert config[field] == getattr(ref_config, field, default), field
     assert config["rope_theta"] == ref_config.rope_parameters["rope_theta"]
 
     expected = set(ref_state)
@@ -212,6 +228,28 @@ def test_synthetic_matches_transformers(tmp_path, qtype):
         independent = torch_dequantize(torch.from_numpy(np.array(raw.data)).reshape(-1), int(qtype))
         mine = ours["model.layers.1.mlp.down_proj.weight"].reshape(-1)
         torch.testing.assert_close(mine, independent, rtol=1e-6, atol=1e-6)
+
+
+# Qwen3: transformers reads no head_dim from a GGUF file and takes Qwen3Config's 128, so the tiny file has 2 heads.
+ARCHITECTURES = {"qwen2": ("Qwen2ForCausalLM", {}), "qwen3": ("Qwen3ForCausalLM", {"heads": 2, "kv_heads": 1})}
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_other_architectures_match_transformers(tmp_path, arch, qtype):
+    """Qwen2 (QKV biases) and Qwen3 (Q/K norms) files: stored without llama.cpp's Q/K permutation, converted to the
+    family's own architecture, tensor for tensor what transformers loads."""
+    architecture, shape = ARCHITECTURES[arch]
+    path = tmp_path / f"tiny-{arch}.gguf"
+    hf = write_tiny_gguf(path, qtype, arch=arch, **shape)
+    out_dir = convert_gguf_to_hf_dir(path)
+    ref_config, ref_state = _reference(path)
+    _assert_matches_reference(out_dir, ref_config, ref_state, architecture)
+    ours = load_file(str(out_dir / "model.safetensors"))
+    assert {n for n in hf if n.endswith((".bias", "_norm.weight"))} <= set(ours)
+    if qtype == QT.F32:
+        for name, value in hf.items():
+            assert torch.equal(ours[name], torch.from_numpy(value)), name
 
 
 @pytest.mark.parametrize("tied", [True, False])

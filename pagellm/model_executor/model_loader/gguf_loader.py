@@ -1,9 +1,9 @@
 """GGUF -> Hugging Face checkpoint conversion.
 
-Owns turning a Llama-architecture GGUF file into a cached HF-style directory (config.json,
-model.safetensors, tokenizer files, generation_config.json, and gguf_source.json naming the file) that
+Owns turning a GGUF file of a supported architecture (`GGUF_ARCHITECTURES`) into a cached HF-style directory
+(config.json, model.safetensors, tokenizer files, generation_config.json, and gguf_source.json naming the file) that
 the rest of pagellm loads like any other checkpoint: dequantization via the ``gguf`` package, llama.cpp's
-tensor renaming and Q/K row permutation undone, rope scaling recovered from the metadata, and an atomic
+tensor renaming and (for Llama) Q/K row permutation undone, rope scaling recovered from the metadata, and an atomic
 on-disk cache keyed by the file's identity. `gguf_weights` reads the same tensors packed, for the CPU kernels.
 """
 
@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
@@ -29,8 +30,29 @@ from pagellm import envs
 from safetensors.torch import save_file
 
 # Bump whenever the output layout changes, so stale cache entries are never reused.
-CONVERTER_VERSION = "4"
-SUPPORTED_ARCHITECTURES = ("llama",)
+CONVERTER_VERSION = "5"
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    hf_architecture: str  # the Hugging Face `architectures` entry (see models/registry.py)
+    model_type: str
+    # llama.cpp's converter permutes Q/K rows for its interleaved rotary layout where the model uses rotate-half
+    # rotary in the interleaved ("normal") rope mode: Llama. NeoX-mode models (Qwen) are stored as they are.
+    rotary_permuted: bool
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+# general.architecture -> what it converts to. Mistral files say "llama".
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", rotary_permuted=True),
+    # Qwen2 checkpoints carry a sliding-window size that only some layers of some sizes use; GGUF files have none.
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", rotary_permuted=False,
+                              extra_config={"use_sliding_window": False}),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", rotary_permuted=False,
+                              extra_config={"use_sliding_window": False}),
+}
+SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 # Names the GGUF file a converted directory came from and where each tensor sits in it, so the weights can be read
 # packed from the file itself without parsing its metadata again (several seconds for a 50k-token vocabulary).
 GGUF_SOURCE_FILE = "gguf_source.json"
@@ -47,6 +69,8 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head Q/K RMSNorm
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -60,7 +84,8 @@ _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 def convert_gguf_to_hf_dir(
     gguf_path: str | os.PathLike, cache_root: str | os.PathLike | None = None
 ) -> pathlib.Path:
-    """Convert a Llama-architecture GGUF file into a Hugging Face-style checkpoint directory (cached)."""
+    """Convert a GGUF file (of an architecture in GGUF_ARCHITECTURES) into a Hugging Face-style checkpoint directory
+    (cached)."""
     path = pathlib.Path(gguf_path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {str(path)!r}")
@@ -104,8 +129,11 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
         )
     tensors = {t.name: t for t in reader.tensors}
     config = _build_config(reader, arch, tensors)
-    state_dict = _build_state_dict(tensors, config)
-    config["attention_bias"] = any(".self_attn." in n and n.endswith(".bias") for n in state_dict)
+    permuted_heads = _permuted_heads(GGUF_ARCHITECTURES[arch], config)
+    state_dict = _build_state_dict(tensors, permuted_heads)
+    # Llama's attention_bias puts a bias on all four projections; Qwen2 has them on Q, K and V only (its class
+    # knows), so the output projection's bias decides.
+    config["attention_bias"] = any(".self_attn.o_proj." in n and n.endswith(".bias") for n in state_dict)
     config["mlp_bias"] = any(".mlp." in n and n.endswith(".bias") for n in state_dict)
 
     save_file(state_dict, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -115,7 +143,8 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     _write_json(out_dir / "generation_config.json", generation)
     _save_tokenizer(path, out_dir, _meta(reader, "tokenizer.chat_template"))
     index = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape.tolist()],
-              "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]
+              "offset": int(t.data_offset), "bytes": int(t.n_bytes),
+              "unpermute_heads": permuted_heads(t.name)} for t in reader.tensors]
     st = path.stat()
     _write_json(out_dir / GGUF_SOURCE_FILE, {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                                              "tensors": index})
@@ -128,7 +157,8 @@ def gguf_source(model_dir: str | os.PathLike) -> pathlib.Path | None:
 
 
 def gguf_tensor_index(model_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Each tensor of the source file: name, ggml type, shape (GGUF order), byte offset and length."""
+    """Each tensor of the source file: name, ggml type, shape (GGUF order), byte offset and length, and the heads
+    whose rows llama.cpp permuted (0: none; see `unpermute_rows`)."""
     source = _read_source(model_dir)
     if source is None:
         raise FileNotFoundError(f"{model_dir} was not converted from a GGUF file that is still there unchanged.")
@@ -163,9 +193,10 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any]) -
     vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shape is [hidden, vocab]
     ffn = key("feed_forward_length")
     intermediate = int(ffn) if ffn is not None else int(tensors["blk.0.ffn_gate.weight"].shape[-1])
+    architecture = GGUF_ARCHITECTURES[arch]
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture.hf_architecture],
+        "model_type": architecture.model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": intermediate,
@@ -179,6 +210,7 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any]) -
         "max_position_embeddings": int(key("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
+        **architecture.extra_config,
     }
     for hf_key, gguf_key in (
         ("bos_token_id", "bos_token_id"),
@@ -283,19 +315,29 @@ def hf_tensor_name(name: str) -> str:
             return f"model.layers.{layer}.{_LAYER_TENSORS[stem]}.{kind}"
     elif (m := _GLOBAL_RE.match(name)) and m.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"Unexpected tensor {name!r} in a llama GGUF file")
+    raise ValueError(f"Unexpected tensor {name!r} in the GGUF file")
 
 
-def _build_state_dict(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _permuted_heads(architecture: GGUFArchitecture, config: dict[str, Any]) -> Callable[[str], int]:
+    """For a tensor name, the heads whose rows llama.cpp's converter permuted (Q and K of a permuted architecture),
+    else 0."""
+    def heads(name: str) -> int:
+        if not architecture.rotary_permuted:
+            return 0
+        if ".attn_q." in name:
+            return config["num_attention_heads"]
+        return config["num_key_value_heads"] if ".attn_k." in name else 0
+    return heads
+
+
+def _build_state_dict(tensors: dict[str, Any], permuted_heads: Callable[[str], int]) -> dict[str, torch.Tensor]:
     state_dict: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:
             continue
         weight = dequantize_tensor(tensor)
-        if ".attn_q." in name:
-            weight = unpermute_rows(weight, config["num_attention_heads"])
-        elif ".attn_k." in name:
-            weight = unpermute_rows(weight, config["num_key_value_heads"])
+        if heads := permuted_heads(name):
+            weight = unpermute_rows(weight, heads)
         state_dict[hf_tensor_name(name)] = weight
     return state_dict
 

@@ -2,9 +2,8 @@
 
 The file is read with one sequential read (mapped, for a rank that keeps a slice: see file_reader.py), and each
 tensor is found through the index the converter wrote beside the checkpoint (`gguf_loader.gguf_tensor_index`): no
-metadata parsing at load. Rows of ggml blocks are
-independent, so llama.cpp's Q/K row permutation is undone on the packed bytes and fused projections can stack
-packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
+metadata parsing at load. Rows of ggml blocks are independent, so llama.cpp's Q/K row permutation (where the
+index names one) is undone on the packed bytes and fused projections can stack packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
 """
 from __future__ import annotations
 
@@ -20,14 +19,12 @@ from pagellm.model_executor.model_loader.gguf_loader import (ROPE_FREQS, gguf_so
                                                              hf_tensor_name, unpermute_rows)
 
 
-def iterate_gguf_weights(model_dir: str | os.PathLike, hf_config,
+def iterate_gguf_weights(model_dir: str | os.PathLike,
                          mapped: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
     """(Hugging Face name, tensor) for every weight of the GGUF file `model_dir` was converted from (the file read
     or mapped as `read_file` does)."""
     index = gguf_tensor_index(model_dir)
     buffer = read_file(gguf_source(model_dir), mapped)
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     for entry in index:
         if entry["name"] == ROPE_FREQS:
             continue
@@ -39,7 +36,7 @@ def iterate_gguf_weights(model_dir: str | os.PathLike, hf_config,
             weight = PackedTensor(qtype, raw.view(shape[0], -1), shape)
         else:  # norms (and float32 matrices): float32, as the gguf package dequantizes them
             weight = torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(shape)
-        permute_heads = heads if ".attn_q." in entry["name"] else kv_heads if ".attn_k." in entry["name"] else 0
+        permute_heads = entry["unpermute_heads"]
         if permute_heads and isinstance(weight, PackedTensor):
             weight.data = unpermute_rows(weight.data, permute_heads)
         elif permute_heads:

@@ -106,7 +106,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     if model_config.quantization == "gguf":
         if linear_kernels.available():
             _warn_unpacked_types(model_config.model)
-        weights = iterate_gguf_weights(model_config.model, model_config.hf_config, mapped)
+        weights = iterate_gguf_weights(model_config.model, mapped)
     else:
         weights = iterate_weights(model_config.model, mapped)
     model.load_weights(weights, model_config.quantization)

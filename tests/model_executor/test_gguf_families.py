@@ -1,0 +1,43 @@
+"""GGUF files of every family the converter knows run packed through the whole engine: a Qwen2 file (QKV biases)
+and a Qwen3 file (per-head Q/K norms, stored without llama.cpp's Q/K permutation) give every logprob within float32's
+rounding error of transformers' own loading of the same file, run in float64 (see test_k_quants.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from test_gguf_loader import ARCHITECTURES, write_tiny_gguf
+from test_k_quants import float32_error_bound
+
+from pagellm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_family_file_runs_packed_and_matches_transformers(tmp_path, arch, qtype):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
+    hf_weights = write_tiny_gguf(path, qtype, arch=arch, **ARCHITECTURES[arch][1])
+    reference_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                           dtype=torch.float64).eval()
+    llm = LLM(model=str(path), max_model_len=128, kv_cache_memory_bytes=4 << 20)
+    assert llm.llm_engine.config.model_config.architecture == ARCHITECTURES[arch][0]
+    weight_bytes = llm.llm_engine.engine_core.executor.collective_rpc("weight_bytes")[0]
+    float_bytes = 4 * sum(w.size for w in hf_weights.values() if w.ndim == 2)
+    assert weight_bytes < float_bytes / 3  # packed
+
+    prompts = [{"prompt_token_ids": [5, 17, 100, 42, 7]}, {"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        tokens = out.prompt_token_ids + out.outputs[0].token_ids
+        with torch.inference_mode():
+            hidden = reference_model.model(torch.tensor([tokens])).last_hidden_state[0]
+            reference = reference_model.lm_head(hidden).log_softmax(dim=-1)
+            bound = float32_error_bound(hidden, reference_model.lm_head.weight, reference)
+        start = len(out.prompt_token_ids) - 1
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            assert out.outputs[0].token_ids[step] == int(reference[start + step].argmax())
+            for token, logprob in entry.items():
+                expected = reference[start + step, token].item()
+                assert logprob.logprob == pytest.approx(expected, abs=bound[start + step, token].item())
