@@ -12,25 +12,25 @@
 #include <string.h>
 
 typedef int (*matmul_fn)(const void *matrix, const float *x, int64_t m, int64_t ldx, float *out, int nthreads);
-typedef void (*rms_norm_fn)(const float *x, float *residual, const float *weight, float *out, int64_t rows,
-                            int64_t dim, float eps, int nthreads);
+typedef void (*rms_norm_fn)(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t dim,
+                            float eps, int nthreads);
 typedef void (*silu_and_mul_fn)(const float *x, float *out, int64_t rows, int64_t d, int nthreads);
 typedef void (*rope_fn)(float *x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t dim,
                         const int64_t *positions, const float *cos_table, const float *sin_table);
 typedef void (*cache_fn)(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
-                         int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
-                         void *key_cache, void *value_cache, int kv_type);
+                         int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, void *key_cache,
+                         void *value_cache, int kv_type);
 typedef int (*attention_fn)(const float *query, const void *key_cache, const void *value_cache,
                             const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                            int64_t block_size, int64_t max_blocks, float scale, int kv_type,
-                            int64_t partition_tokens, int nthreads);
+                            int64_t block_size, int64_t max_blocks, float scale, int kv_type, int64_t partition_tokens,
+                            int nthreads);
 
 typedef struct {
-    const void *qkv, *o, *gate_up, *down;                              /* pagellm_matrix descriptors */
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;         /* NULL when absent */
-    const float *input_norm, *post_norm, *q_norm, *k_norm;             /* q_norm, k_norm: NULL unless Qwen3 */
-    void *key_cache, *value_cache;                 /* [kv_heads, num_blocks, block_size, D] of the decoder's kv_type */
+    const void *qkv, *o, *gate_up, *down;                      /* pagellm_matrix descriptors */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL when absent */
+    const float *input_norm, *post_norm, *q_norm, *k_norm;     /* q_norm, k_norm: NULL unless Qwen3 */
+    void *key_cache, *value_cache; /* [kv_heads, num_blocks, block_size, D] of the decoder's kv_type */
 } pagellm_decoder_layer;
 
 typedef struct {
@@ -62,7 +62,7 @@ int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, 
     const int64_t qkv_size = q_size + 2 * kv_size, num_slots = d->num_blocks * d->block_size;
     const int64_t widest = qkv_size > 2 * d->intermediate ? qkv_size : 2 * d->intermediate;
     float *normed = malloc(sizeof(float) * (size_t)(m * d->hidden));
-    float *wide = malloc(sizeof(float) * (size_t)(m * widest));  /* qkv, then gate|up */
+    float *wide = malloc(sizeof(float) * (size_t)(m * widest)); /* qkv, then gate|up */
     float *query = malloc(sizeof(float) * (size_t)(m * q_size));
     float *mid = malloc(sizeof(float) * (size_t)(m * (q_size > d->intermediate ? q_size : d->intermediate)));
     float *proj = malloc(sizeof(float) * (size_t)(m * d->hidden));
@@ -80,12 +80,12 @@ int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, 
         }
         d->rope(wide, m, d->heads, qkv_size, d->head_dim, positions, d->cos_table, d->sin_table);
         d->rope(wide + q_size, m, d->kv_heads, qkv_size, d->head_dim, positions, d->cos_table, d->sin_table);
-        d->write_cache(wide + q_size, wide + q_size + kv_size, qkv_size, qkv_size, slots, m, d->kv_heads,
-                       d->head_dim, num_slots, layer->key_cache, layer->value_cache, (int)d->kv_type);
+        d->write_cache(wide + q_size, wide + q_size + kv_size, qkv_size, qkv_size, slots, m, d->kv_heads, d->head_dim,
+                       num_slots, layer->key_cache, layer->value_cache, (int)d->kv_type);
         for (int64_t t = 0; t < m; t++) memcpy(query + t * q_size, wide + t * qkv_size, sizeof(float) * (size_t)q_size);
         if (d->attention(query, layer->key_cache, layer->value_cache, block_tables, seq_lens, mid, m, d->heads,
-                         d->kv_heads, d->head_dim, d->num_blocks, d->block_size, max_blocks, d->scale,
-                         (int)d->kv_type, 0, nthreads)) {
+                         d->kv_heads, d->head_dim, d->num_blocks, d->block_size, max_blocks, d->scale, (int)d->kv_type,
+                         0, nthreads)) {
             status = -1;
             break;
         }

@@ -2,7 +2,8 @@
  * add), SiLU-and-multiply, and rotate-half RoPE applied in place. In PyTorch each is several operators of a few
  * microseconds of dispatch apiece, which at decode batch sizes cost more than the arithmetic. Arithmetic follows
  * the Hugging Face reference operation by operation (compiled with -ffp-contract=off: no fused multiply-adds),
- * except the order of the RMSNorm sum of squares and a vectorised exp in SiLU (within 2 ulp, as PyTorch's own). Rows are spread over OpenMP threads when there are many.
+ * except the order of the RMSNorm sum of squares and a vectorised exp in SiLU (within 2 ulp, as PyTorch's own). Rows
+ * are spread over OpenMP threads when there are many.
  */
 #include <math.h>
 #include <stdint.h>

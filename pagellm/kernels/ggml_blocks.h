@@ -28,15 +28,31 @@
 #endif
 
 /* ggml's type ids (GGMLQuantizationType). */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
-       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30 };
+enum {
+    T_F32 = 0,
+    T_F16 = 1,
+    T_Q4_0 = 2,
+    T_Q4_1 = 3,
+    T_Q5_0 = 6,
+    T_Q5_1 = 7,
+    T_Q8_0 = 8,
+    T_Q2_K = 10,
+    T_Q3_K = 11,
+    T_Q4_K = 12,
+    T_Q5_K = 13,
+    T_Q6_K = 14,
+    T_IQ4_NL = 20,
+    T_IQ4_XS = 23,
+    T_BF16 = 30
+};
 
 /* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl): a weight is its scale times the level its nibble picks.
  * The float32 dot products take them plus IQ4_OFFSET, unsigned, and subtract the offset times the activations'
  * sums (as Q4_0's q - 8): an unsigned byte widens with a mask where a signed one takes two shifts. */
 static const int8_t iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define IQ4_OFFSET 128
-static const uint8_t iq4_levels_unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const uint8_t iq4_levels_unsigned[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                129, 141, 153, 166, 181, 197, 217, 241};
 
 static inline int is_block_type(int t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 || t == T_IQ4_NL;
@@ -55,11 +71,19 @@ static inline int has_min(int t) { return t == T_Q4_1 || t == T_Q5_1; }
 static inline int five_bit(int t) { return t == T_Q5_0 || t == T_Q5_1; }
 static inline int quant_bytes(int t) { return t == T_Q8_0 ? 32 : 16; }
 static inline int64_t block_bytes(int t) { return 2 + 2 * has_min(t) + 4 * five_bit(t) + quant_bytes(t); }
-static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; } /* float types */
+static inline int element_bytes(int t) { return t == T_F32 ? 4 : 2; }                        /* float types */
 static inline int is_k_type(int t) { return (t >= T_Q2_K && t <= T_Q6_K) || t == T_IQ4_XS; } /* super-blocks */
 
-static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
 
 /* Where one block's fields are; for float types every field points at its 32 values. */
 typedef struct {
@@ -103,7 +127,10 @@ static inline float fp16_to_fp32(uint16_t h) {
         bits = sign;
     } else { /* subnormal: normalise */
         exponent = 113;
-        while (!(mantissa & 0x400)) { mantissa <<= 1; exponent--; }
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            exponent--;
+        }
         bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
     }
     float f;
@@ -158,7 +185,8 @@ AVX2 static inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256
 AVX2 static inline __m256i iq4_lookup(const uint8_t *qs, const void *table) {
     const __m256i entries = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
     const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    const __m256i nibbles = _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xf0), _mm256_set1_epi8(0x0f));
+    const __m256i nibbles =
+        _mm256_and_si256(_mm256_blend_epi32(q, _mm256_srli_epi16(q, 4), 0xf0), _mm256_set1_epi8(0x0f));
     return _mm256_shuffle_epi8(entries, nibbles);
 }
 
@@ -186,7 +214,8 @@ AVX2 static inline __attribute__((always_inline)) void iq4_levels_strided(const 
 AVX2 static inline __attribute__((always_inline)) void iq4_levels_in_order(const uint8_t *qs, __m256 f[4]) {
     const __m256i v = iq4_level_bytes(qs);
     const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-    f[0] = i8_to_ps(lo), f[1] = i8_to_ps(_mm_srli_si128(lo, 8)), f[2] = i8_to_ps(hi), f[3] = i8_to_ps(_mm_srli_si128(hi, 8));
+    f[0] = i8_to_ps(lo), f[1] = i8_to_ps(_mm_srli_si128(lo, 8)), f[2] = i8_to_ps(hi),
+    f[3] = i8_to_ps(_mm_srli_si128(hi, 8));
 }
 
 /* Activations in widen_strided's order: within each 32, position 8j + i holds element 4i + j. */
@@ -217,7 +246,8 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
     const __m256i low = _mm256_set1_epi32(0x0f);
     const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ref.qs));
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ref.qs + 8)));
-    __m256i q[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_srli_epi32(a, 4), _mm256_srli_epi32(b, 4)};
+    __m256i q[4] = {_mm256_and_si256(a, low), _mm256_and_si256(b, low), _mm256_srli_epi32(a, 4),
+                    _mm256_srli_epi32(b, 4)};
     if (five_bit(type)) {
         /* Bit e of qh is the fifth bit of element e: one shift per vector brings it to bit 4 of lane e, from qh << 4
          * for elements 0..15 and from qh >> 12 for 16..31. */
@@ -226,7 +256,8 @@ AVX2 static inline __attribute__((always_inline)) void block_levels(const int ty
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), bit4 = _mm256_set1_epi32(16);
         for (int p = 0; p < 4; p++) {
             const __m256i shift = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * (p & 1)));
-            q[p] = _mm256_or_si256(q[p], _mm256_and_si256(_mm256_srlv_epi32(p < 2 ? from_low : from_high, shift), bit4));
+            q[p] =
+                _mm256_or_si256(q[p], _mm256_and_si256(_mm256_srlv_epi32(p < 2 ? from_low : from_high, shift), bit4));
         }
     }
     const __m256i offset = _mm256_set1_epi32(level_offset(type));
@@ -247,7 +278,8 @@ AVX2 static inline __attribute__((always_inline)) __m256i block_level_bytes(cons
         const __m256i pick = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
         const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201);
         const __m256i qh = _mm256_shuffle_epi8(_mm256_set1_epi32((int)load_u32(ref.qh)), pick);
-        v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10)));
+        v = _mm256_or_si256(
+            v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), _mm256_set1_epi8(0x10)));
     }
     return v;
 }
@@ -259,7 +291,8 @@ AVX2 static inline void dequant_block_avx2(int type, block_ref ref, float *dst) 
     const __m256 d = _mm256_set1_ps(half_avx2(ref.d));
     const __m256 m = _mm256_set1_ps(has_min(type) ? half_avx2(ref.m) : 0.0f);
     for (int p = 0; p < 4; p++) /* ggml: d * q (+ m); Q8_0: q * d */
-        _mm256_storeu_ps(dst + 8 * p, has_min(type) ? _mm256_add_ps(_mm256_mul_ps(d, f[p]), m) : _mm256_mul_ps(f[p], d));
+        _mm256_storeu_ps(dst + 8 * p,
+                         has_min(type) ? _mm256_add_ps(_mm256_mul_ps(d, f[p]), m) : _mm256_mul_ps(f[p], d));
 }
 #endif
 #endif

@@ -129,7 +129,7 @@ AVX2 static inline __attribute__((always_inline)) __m256i bit_at_4(__m256i h, co
 /* Q4_K / Q5_K sub-blocks 2c and 2c + 1 of super-block sb: their 32 levels each, the low and the high nibbles of
  * the same 32 bytes (and, Q5_K, bits 2c and 2c + 1 of the 32 qh bytes as fifth bits). */
 AVX2 static inline __attribute__((always_inline)) void k_nibble_levels(const int type, const uint8_t *sb, int c,
-                                                                      __m256 low[4], __m256 high[4]) {
+                                                                       __m256 low[4], __m256 high[4]) {
     const uint8_t *q = sb + k_nibbles_at(type) + 32 * c;
     for (int p = 0; p < 4; p++) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * p)));
@@ -147,17 +147,19 @@ AVX2 static inline __attribute__((always_inline)) void k_nibble_levels(const int
 /* Q4_K / Q5_K sub-blocks 2c and 2c + 1 as bytes in element order (k_nibble_levels' levels): Q5_K's fifth bits,
  * bits 2c and 2c + 1 of the 32 qh bytes, moved to bit 4 by 16-bit shifts and masked. */
 AVX2 static inline __attribute__((always_inline)) void k_nibble_level_bytes(const int type, const uint8_t *sb, int c,
-                                                                           __m256i *low, __m256i *high) {
+                                                                            __m256i *low, __m256i *high) {
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(sb + k_nibbles_at(type) + 32 * c));
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     *low = _mm256_and_si256(bytes, nibble);
     *high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
     if (type == T_Q5_K) {
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 16)), bit4 = _mm256_set1_epi8(0x10);
-        *low = _mm256_or_si256(*low, _mm256_and_si256(2 * c <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * c)
-                                                                 : _mm256_srli_epi16(qh, 2 * c - 4), bit4));
+        *low = _mm256_or_si256(
+            *low,
+            _mm256_and_si256(2 * c <= 4 ? _mm256_slli_epi16(qh, 4 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 4), bit4));
         *high = _mm256_or_si256(*high, _mm256_and_si256(2 * c + 1 <= 4 ? _mm256_slli_epi16(qh, 3 - 2 * c)
-                                                                       : _mm256_srli_epi16(qh, 2 * c - 3), bit4));
+                                                                       : _mm256_srli_epi16(qh, 2 * c - 3),
+                                                        bit4));
     }
 }
 
@@ -170,7 +172,9 @@ static inline void q4k_unpack(const uint8_t *sb, uint64_t *sc, uint64_t *m) {
 }
 
 /* Eight unsigned bytes (the low 64 bits) as eight floats. */
-AVX2 static inline __m256 u8x8_to_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
+AVX2 static inline __m256 u8x8_to_ps(uint64_t v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
+}
 
 /* Q4_K, Q5_K: the eight sub-block scales times d and minimums times dmin, as ggml rounds them (d * sc, dmin * m). */
 AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t *sb, __m256 *d_sc, __m256 *dmin_m) {
@@ -182,32 +186,37 @@ AVX2 static inline __attribute__((always_inline)) void q4k_scales(const uint8_t 
 
 /* Q6_K: the 128 levels (q - 32) of a half super-block (ql: its 64 bytes, qh: its 32) as f[quarter][vector]: each
  * byte is loaded once for the quarters that share it (ql's low and high nibbles, qh's four bit pairs). */
-AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t *ql, const uint8_t *qh, __m256 f[4][4]) {
+AVX2 static inline __attribute__((always_inline)) void q6k_levels(const uint8_t *ql, const uint8_t *qh,
+                                                                  __m256 f[4][4]) {
     const __m256i nibble = _mm256_set1_epi32(0x0f), bias = _mm256_set1_epi32(32);
     for (int p = 0; p < 4; p++) {
         const __m256i l0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 8 * p)));
         const __m256i l1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ql + 32 + 8 * p)));
         const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qh + 8 * p)));
         /* bits 2t, 2t + 1 of qh become bits 4, 5 of quarter t's levels */
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, nibble), _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4)),
-            _mm256_or_si256(_mm256_and_si256(l1, nibble), _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(12)), 2)),
-            _mm256_or_si256(_mm256_srli_epi32(l0, 4), _mm256_and_si256(h, _mm256_set1_epi32(48))),
-            _mm256_or_si256(_mm256_srli_epi32(l1, 4), _mm256_srli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(192)), 2))};
+        const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(l0, nibble),
+                                              _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4)),
+                              _mm256_or_si256(_mm256_and_si256(l1, nibble),
+                                              _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(12)), 2)),
+                              _mm256_or_si256(_mm256_srli_epi32(l0, 4), _mm256_and_si256(h, _mm256_set1_epi32(48))),
+                              _mm256_or_si256(_mm256_srli_epi32(l1, 4),
+                                              _mm256_srli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(192)), 2))};
         for (int t = 0; t < 4; t++) f[t][p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[t], bias));
     }
 }
 
 /* Q6_K: the 128 levels of a half super-block (ql: its 64 bytes, qh: its 32) as unsigned bytes q (0..63, ggml's
  * -32 left to the caller), q[t] holding quarter t: bits 2t, 2t + 1 of qh become bits 4, 5 of quarter t. */
-AVX2 static inline __attribute__((always_inline)) void q6k_level_bytes(const uint8_t *ql, const uint8_t *qh, __m256i q[4]) {
+AVX2 static inline __attribute__((always_inline)) void q6k_level_bytes(const uint8_t *ql, const uint8_t *qh,
+                                                                       __m256i q[4]) {
     const __m256i nibble = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30); /* 16-bit shifts, masked after */
     const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
     const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
     q[0] = _mm256_or_si256(_mm256_and_si256(l0, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
     q[1] = _mm256_or_si256(_mm256_and_si256(l1, nibble), _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
     q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble), _mm256_and_si256(h, top));
-    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
 }
 
 /* Q3_K: q3k_scales as sixteen int8 lanes, built in registers (a trip through memory as four words read back as one
@@ -215,10 +224,9 @@ AVX2 static inline __attribute__((always_inline)) void q6k_level_bytes(const uin
 AVX2 static inline __m128i q3k_scales_avx2(const uint8_t *sb) {
     const uint32_t a0 = load_u32(sb + 96), a1 = load_u32(sb + 100), tmp = load_u32(sb + 104);
     const uint32_t low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
-    const __m128i words = _mm_setr_epi32((int)((a0 & low4) | ((tmp & top2) << 4)),
-                                         (int)((a1 & low4) | (((tmp >> 2) & top2) << 4)),
-                                         (int)(((a0 >> 4) & low4) | (((tmp >> 4) & top2) << 4)),
-                                         (int)(((a1 >> 4) & low4) | (((tmp >> 6) & top2) << 4)));
+    const __m128i words = _mm_setr_epi32(
+        (int)((a0 & low4) | ((tmp & top2) << 4)), (int)((a1 & low4) | (((tmp >> 2) & top2) << 4)),
+        (int)(((a0 >> 4) & low4) | (((tmp >> 4) & top2) << 4)), (int)(((a1 >> 4) & low4) | (((tmp >> 6) & top2) << 4)));
     return _mm_sub_epi8(words, _mm_set1_epi8(32));
 }
 
@@ -229,12 +237,15 @@ AVX2 static inline __attribute__((always_inline)) void q3k_levels(const uint8_t 
     for (int p = 0; p < 4; p++) {
         const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 32 + 32 * n + 8 * p)));
         /* the half's four hmask bits at bits 0..3, then each moved to bit 2 with one constant shift */
-        const __m256i high = _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 8 * p))), 4 * n);
-        const __m256i set[4] = {_mm256_slli_epi32(high, 2), _mm256_slli_epi32(high, 1), high, _mm256_srli_epi32(high, 1)};
+        const __m256i high =
+            _mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + 8 * p))), 4 * n);
+        const __m256i set[4] = {_mm256_slli_epi32(high, 2), _mm256_slli_epi32(high, 1), high,
+                                _mm256_srli_epi32(high, 1)};
         const __m256i two[4] = {_mm256_and_si256(q, pair), _mm256_and_si256(_mm256_srli_epi32(q, 2), pair),
                                 _mm256_and_si256(_mm256_srli_epi32(q, 4), pair), _mm256_srli_epi32(q, 6)};
         for (int j = 0; j < 4; j++)
-            f[j][p] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(two[j], _mm256_and_si256(set[j], four)), four));
+            f[j][p] =
+                _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(two[j], _mm256_and_si256(set[j], four)), four));
     }
 }
 
@@ -283,8 +294,10 @@ AVX2 static inline __attribute__((always_inline)) void q2k_scales(const uint8_t 
 
 /* IQ4_XS: the eight sub-block scales less 32 (iq4xs_scale), as int32 lanes. */
 AVX2 static inline __m256i iq4xs_scales(const uint8_t *sb) {
-    const __m256i low = _mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(sb + 4)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    const __m256i high = _mm256_srlv_epi32(_mm256_set1_epi32(load_u16(sb + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i low =
+        _mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(sb + 4)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i high =
+        _mm256_srlv_epi32(_mm256_set1_epi32(load_u16(sb + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
     const __m256i scales = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
                                            _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));
     return _mm256_sub_epi32(scales, _mm256_set1_epi32(32));
@@ -303,7 +316,8 @@ AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, fl
         for (int j = 0; j < 8; j++, dst += 32) {
             __m256 levels[4];
             iq4_levels_in_order(sb + 8 + 16 * j, levels);
-            for (int p = 0; p < 4; p++) _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(_mm256_set1_ps(scale[j]), levels[p]));
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(_mm256_set1_ps(scale[j]), levels[p]));
         }
         return;
     }
@@ -333,8 +347,9 @@ AVX2 static inline void dequant_super_block_avx2(int type, const uint8_t *sb, fl
             q3k_levels(sb, n, levels);
             for (int j = 0; j < 4; j++, dst += 32)
                 for (int p = 0; p < 4; p++)
-                    _mm256_storeu_ps(dst + 8 * p, _mm256_mul_ps(_mm256_set1_ps(d * (float)scales[8 * n + 2 * j + p / 2]),
-                                                                levels[j][p]));
+                    _mm256_storeu_ps(
+                        dst + 8 * p,
+                        _mm256_mul_ps(_mm256_set1_ps(d * (float)scales[8 * n + 2 * j + p / 2]), levels[j][p]));
         }
         return;
     }

@@ -57,9 +57,7 @@ static inline uint16_t float_to_bf16(float x) {
 /* 8-bit floats (torch's float8_e4m3fn and float8_e5m2, unscaled as in vLLM without calibrated scales) widen
  * through half precision. e5m2 is a half's upper byte. e4m3's seven magnitude bits, placed where a half's exponent
  * and mantissa start, make a half 2^-8 times its value, sub-normals included; e4m3fn's NaN (0x7f) reads as 480. */
-static inline uint16_t e4m3_as_scaled_half(uint8_t b) {
-    return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7f) << 7));
-}
+static inline uint16_t e4m3_as_scaled_half(uint8_t b) { return (uint16_t)(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
 #define E4M3_HALF_SCALE 256.0f
 
 /* Round to nearest even into an 8-bit float with `mbits` mantissa bits and exponent bias `bias`, saturating at its

@@ -43,7 +43,7 @@ typedef struct pagellm_matrix {
 
 /* The activation rows as the small-M kernels read them. */
 typedef struct {
-    const float *x;       /* [m, k], row stride ldx */
+    const float *x; /* [m, k], row stride ldx */
     int64_t ldx;
     const float *sum;      /* [m, k / 32]: each row's exact sum over every block of 32 */
     const float *sum16;    /* [m, k / 16]: the same over every 16 (Q2_K's minimums), or NULL */
@@ -139,7 +139,9 @@ AVX2 static inline float hsum(__m256 v) {
 #include "linear_int8.inc"
 #include "linear_fused.inc"
 
-/* One call per m (1..FUSED_MAX_M), each a constant the kernel is specialised for. */
+/* One call per m (1..FUSED_MAX_M), each a constant the kernel is specialised for. Kept as a table, one case a line
+ * (clang-format would give each case four). */
+/* clang-format off */
 #define FOR_M(m, call)                                                                                                \
     switch (m) {                                                                                                      \
     case 1: { const int M = 1; call; } break;                                                                         \
@@ -147,6 +149,7 @@ AVX2 static inline float hsum(__m256 v) {
     case 3: { const int M = 3; call; } break;                                                                         \
     default: { const int M = 4; call; } break;                                                                        \
     }
+/* clang-format on */
 
 AVX2 static inline __attribute__((always_inline)) void fused_typed(const int type, int64_t m, const pagellm_matrix *w,
                                                                    int64_t r0, int64_t r1, const activations *act,
@@ -169,7 +172,9 @@ AVX2 static inline __attribute__((always_inline)) void fused_typed(const int typ
 /* Rows [r0, r1) of out for m <= FUSED_MAX_M activation rows; k a multiple of 32. */
 AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int64_t r1, const activations *act,
                             float *out, int64_t ldo) {
-    /* each storage type a constant the kernels are specialised for */
+    /* each storage type a constant the kernels are specialised for; a table by type family (clang-format cannot
+     * see that a FUSED_TYPE is a whole case) */
+    /* clang-format off */
 #define FUSED_TYPE(t) case t: fused_typed(t, m, w, r0, r1, act, out, ldo); return;
     switch (w->type) {
     FUSED_TYPE(T_F32) FUSED_TYPE(T_F16) FUSED_TYPE(T_BF16)
@@ -178,6 +183,7 @@ AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int6
     FUSED_TYPE(T_IQ4_NL) FUSED_TYPE(T_IQ4_XS)
     }
 #undef FUSED_TYPE
+    /* clang-format on */
 }
 
 int pagellm_cpu_has_avx2(void) {
@@ -201,7 +207,10 @@ static int valid(const pagellm_matrix *w) {
 
 static void dequant_row(const pagellm_matrix *w, int64_t r, float *dst) {
 #if HAVE_X86
-    if (w->use_avx2) { dequant_row_avx2(w, r, 0, w->k, dst); return; }
+    if (w->use_avx2) {
+        dequant_row_avx2(w, r, 0, w->k, dst);
+        return;
+    }
 #endif
     dequant_row_scalar(w, r, 0, w->k, dst);
 }
@@ -243,20 +252,20 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     const int int8 = w->int8_activations && !is_float_type(w->type);
     if (int8 && is_k_type(w->type) && m > M_CHUNK) { /* as the tiles: passes whose int8 rows stay in L2 */
         for (int64_t a0 = 0; a0 < m; a0 += M_CHUNK) {
-            const int status = matmul_into(w, x + a0 * ldx, m - a0 < M_CHUNK ? m - a0 : M_CHUNK, ldx, out + a0 * ldo,
-                                           ldo, nthreads);
+            const int status =
+                matmul_into(w, x + a0 * ldx, m - a0 < M_CHUNK ? m - a0 : M_CHUNK, ldx, out + a0 * ldo, ldo, nthreads);
             if (status) return status;
         }
         return 0;
     }
     const int64_t small = int8 ? (is_k_type(w->type) ? m : INT8_MAX_ROWS)
-                               : is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS;
+                               : (is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS);
     if (w->use_avx2 && m <= small && k % 32 == 0) {
         /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows, or
          * (float32 activations, strided levels) the activations permuted to the order the levels are decoded in */
         const int permuted = !int8 && strided_levels(w->type);
-        float *xsum = malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32
-                                                            : (3 + 32 * permuted) * sizeof(float)));
+        float *xsum =
+            malloc((size_t)(m * (k / 32)) * (int8 ? 4 * sizeof(float) + 4 + 32 : (3 + 32 * permuted) * sizeof(float)));
         if (xsum == NULL) return -2;
         float *xsum16 = xsum + m * (k / 32);
         float *scale = xsum16 + m * (k / 16);
@@ -286,8 +295,13 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t r0 = 0; r0 < n; r0 += chunk)
             for (int64_t a0 = 0; a0 < m; a0 += FUSED_MAX_M) {
-                const activations act = {x + a0 * ldx, ldx, xsum + a0 * (k / 32), xsum16 + a0 * (k / 16),
-                                         int8 ? q + a0 * k : NULL, scale + a0 * (k / group), qsum16 + a0 * (k / 16)};
+                const activations act = {.x = x + a0 * ldx,
+                                         .ldx = ldx,
+                                         .sum = xsum + a0 * (k / 32),
+                                         .sum16 = xsum16 + a0 * (k / 16),
+                                         .q = int8 ? q + a0 * k : NULL,
+                                         .scale = scale + a0 * (k / group),
+                                         .qsum16 = qsum16 + a0 * (k / 16)};
                 fused_avx2(w, m - a0 < FUSED_MAX_M ? m - a0 : FUSED_MAX_M, r0, r0 + chunk < n ? r0 + chunk : n, &act,
                            out + a0 * ldo, ldo);
             }

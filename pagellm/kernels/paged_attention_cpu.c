@@ -60,7 +60,10 @@ static void exponentials(float *s, int64_t len, float *max_out, float *sum_out) 
     }
     sum = hsum256(vsum);
 #endif
-    for (; t < len; t++) { s[t] = expf(s[t] - max); sum += s[t]; }
+    for (; t < len; t++) {
+        s[t] = expf(s[t] - max);
+        sum += s[t];
+    }
     *max_out = max;
     *sum_out = sum;
 }
@@ -151,9 +154,9 @@ ALWAYS_INLINE void value_tile(const float *p, int64_t len, const void *values, c
 #endif
 
 /* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for every head g of the group, over tokens [begin, end). */
-ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *values, const int64_t *table,
-                                   int64_t begin, int64_t end, float *o, int64_t group, int64_t head_dim,
-                                   int64_t block_size, int kind) {
+ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *values, const int64_t *table, int64_t begin,
+                                   int64_t end, float *o, int64_t group, int64_t head_dim, int64_t block_size,
+                                   int kind) {
 #if VECTOR_KV
     if (head_dim % 32 == 0) { /* heads in tiles of three: 12 sums and 4 value vectors fill the 16 registers */
         for (int64_t g0 = 0; g0 < group; g0 += 3) {
@@ -185,9 +188,9 @@ ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *valu
 /* s[g][t - begin] = q_g . k_t * scale for every head g of the group (s rows `len` apart), over tokens [begin, end),
  * in tiles of three heads (12 sums and the 2 widened key vectors stay in registers). The first tile also brings
  * the values' rows into L2. */
-ALWAYS_INLINE void key_scores(const float *q, const void *keys, const void *values, const int64_t *table,
-                              int64_t begin, int64_t end, float *s, int64_t len, int64_t group, int64_t head_dim,
-                              int64_t block_size, float scale, int kind) {
+ALWAYS_INLINE void key_scores(const float *q, const void *keys, const void *values, const int64_t *table, int64_t begin,
+                              int64_t end, float *s, int64_t len, int64_t group, int64_t head_dim, int64_t block_size,
+                              float scale, int kind) {
     for (int64_t g0 = 0; g0 < group; g0 += 3) {
         const float *qg = q + g0 * head_dim;
         const void *v = g0 == 0 ? values : NULL;
@@ -203,9 +206,9 @@ ALWAYS_INLINE void key_scores(const float *q, const void *keys, const void *valu
  * unnormalised sum of exp(score - max) * value and stats[2g], stats[2g + 1] the max and the sum of exponentials.
  * Loads widen a narrow cache's values as they go (converting a block into a float32 scratch first, once for the
  * whole group, measured slower: the conversion then waits on memory with nothing to overlap). */
-ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, const int64_t *table,
-                          int64_t begin, int64_t end, float *o, float *stats, float *scores, int64_t group,
-                          int64_t head_dim, int64_t block_size, float scale, int kind) {
+ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, const int64_t *table, int64_t begin,
+                          int64_t end, float *o, float *stats, float *scores, int64_t group, int64_t head_dim,
+                          int64_t block_size, float scale, int kind) {
     const int64_t len = end - begin;
     key_scores(q, keys, values, table, begin, end, scores, len, group, head_dim, block_size, scale, kind);
     for (int64_t g = 0; g < group; g++) exponentials(scores + g * len, len, stats + 2 * g, stats + 2 * g + 1);
@@ -214,11 +217,11 @@ ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, 
 
 typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, float *,
                           float *, float *, int64_t, int64_t, int64_t, float);
-#define ATTEND_FOR(name, kind)                                                                                   \
-    static void name(const float *q, const void *k, const void *v, const int64_t *table, int64_t begin,          \
-                     int64_t end, float *o, float *stats, float *scores, int64_t group, int64_t head_dim,        \
-                     int64_t block_size, float scale) {                                                          \
-        attend(q, k, v, table, begin, end, o, stats, scores, group, head_dim, block_size, scale, kind);          \
+#define ATTEND_FOR(name, kind)                                                                                         \
+    static void name(const float *q, const void *k, const void *v, const int64_t *table, int64_t begin, int64_t end,   \
+                     float *o, float *stats, float *scores, int64_t group, int64_t head_dim, int64_t block_size,       \
+                     float scale) {                                                                                    \
+        attend(q, k, v, table, begin, end, o, stats, scores, group, head_dim, block_size, scale, kind);                \
     }
 ATTEND_FOR(attend_f32, KV_F32)
 ATTEND_FOR(attend_f16, KV_F16)
@@ -228,8 +231,7 @@ ATTEND_FOR(attend_e5m2, KV_E5M2)
 
 /* Tokens per partition, in whole blocks: `requested` if positive, else at least 256 tokens (so a unit's fixed costs
  * stay small), splitting sequences only until there are about four units per thread. */
-static int64_t partition_tokens(int64_t requested, int64_t pairs, int64_t longest, int64_t block_size,
-                                int nthreads) {
+static int64_t partition_tokens(int64_t requested, int64_t pairs, int64_t longest, int64_t block_size, int nthreads) {
     int64_t tokens = requested;
     if (tokens <= 0) {
         const int64_t wanted_parts = (4 * (int64_t)nthreads + pairs - 1) / pairs;
@@ -239,14 +241,14 @@ static int64_t partition_tokens(int64_t requested, int64_t pairs, int64_t longes
     return (tokens + block_size - 1) / block_size * block_size;
 }
 
-int paged_decode_attention(const float *query,      /* [B, H, D] */
-                           const void *key_cache,   /* [Hkv, num_blocks, block_size, D] of kv_type */
-                           const void *value_cache,
+int paged_decode_attention(const float *query,          /* [B, H, D] */
+                           const void *key_cache,       /* [Hkv, num_blocks, block_size, D] of kv_type */
+                           const void *value_cache,     /* the same */
                            const int64_t *block_tables, /* [B, max_blocks] */
                            const int64_t *seq_lens,     /* [B] */
                            float *out,                  /* [B, H, D] */
-                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale, int kv_type,
+                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                           int64_t block_size, int64_t max_blocks, float scale, int kv_type,
                            int64_t requested_partition_tokens, /* 0: chosen from the batch and the threads */
                            int nthreads) {
     static const attend_fn by_type[] = {attend_f32, attend_f16, attend_bf16, attend_e4m3, attend_e5m2};
@@ -321,8 +323,8 @@ int paged_decode_attention(const float *query,      /* [B, H, D] */
  * head h of k starts at k + t * k_stride + h * head_dim (likewise v), so views of the fused QKV output need no copy.
  * Caches are [kv_heads, num_slots, head_dim]; slots[t] = block * block_size + offset. */
 void reshape_and_cache(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
-                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
-                       void *key_cache, void *value_cache, int kv_type) {
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, void *key_cache,
+                       void *value_cache, int kv_type) {
     const size_t row = (size_t)head_dim * kv_size(kv_type);
     for (int64_t t = 0; t < num_tokens; t++)
         for (int64_t h = 0; h < num_kv_heads; h++) {
