@@ -32,7 +32,7 @@ from pagellm.config import ModelConfig
 from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.model_executor.host_copy import StagedCopy, tensor_on
-from pagellm.model_executor.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, attention_backend
+from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata, PrefillLayout, select_backend
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
@@ -103,6 +103,8 @@ class ModelRunner:
         # The step whose sampling waits for its grammar bitmask, with the constrained request ids.
         self._awaiting_grammar: tuple[ForwardResult, list[str]] | None = None
         self.model = None
+        # The attention backend the step's metadata is built for: picked once, with the model (its device and dtype).
+        self.attn_backend: AttentionBackend | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
@@ -111,6 +113,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
+        self.attn_backend = select_backend(self.device, self.model_config.dtype)
         logger.info("Model weights: %.1f MB (quantization: %s).", self.weight_bytes() / 1e6,
                     self.model_config.quantization)
 
@@ -171,24 +174,20 @@ class ModelRunner:
         if decodes:
             tables = staged.add(block_table[:n, :max(len(r.block_ids) for r in decodes)])
             lens = staged.add(positions[:n] + 1)
-        # The Triton backend runs every chunk in one launch from a PrefillBatch; the others take one table per chunk.
-        batched = bool(prefills) and attention_backend(self.device.type, self.model_config.dtype) == "triton"
-        if batched:
-            prefill = [staged.add(a) for a in PrefillBatch.host_arrays(
-                block_table[n:], query_lens[n:], np.array([r.num_computed_tokens for r in prefills]))]
-        else:
-            prefill = [staged.add(r.block_ids) for r in prefills]
+        # The backend stages what its prefill reads (one table per chunk, or Triton's one-launch PrefillBatch).
+        backend = self.attn_backend
+        assert backend is not None, "load_model() picks the attention backend"
+        layout = PrefillLayout(starts[n:], query_lens[n:], np.array([r.num_computed_tokens for r in prefills]),
+                               block_table[n:], [r.block_ids for r in prefills])
+        prefill = backend.stage_prefills(staged, layout)
         if taken:
             destinations, sources = (staged.add(column) for column in zip(*taken))
         t = staged.send(self.device)
 
         if taken:
             t[ids][t[destinations]] = last_tokens[t[sources]]
-        chunks = [PrefillChunk(query_start=int(starts[n + j]), query_len=r.num_tokens,
-                               context_len=r.num_computed_tokens, block_ids=None if batched else t[prefill[j]])
-                  for j, r in enumerate(prefills)]
-        meta = AttentionMetadata(t[slots], n, t[tables] if decodes else None, t[lens] if decodes else None, chunks,
-                                 PrefillBatch(*(t[h] for h in prefill)) if batched else None)
+        meta = backend.build_metadata(t[slots], n, t[tables] if decodes else None, t[lens] if decodes else None,
+                                      layout, [t[h] for h in prefill])
         prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]

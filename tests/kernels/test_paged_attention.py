@@ -20,6 +20,7 @@ from pagellm.kernels import triton_attention  # noqa: E402
 from pagellm.model_executor.host_copy import StagedCopy  # noqa: E402
 from pagellm.model_executor.layers import attention as attention_layer  # noqa: E402
 from pagellm.model_executor.layers.attention import (  # noqa: E402
+    BACKENDS,
     PREFILL_BLOCK_M,
     Attention,
     AttentionMetadata,
@@ -91,7 +92,7 @@ def run_decode(attn: Attention, q, cache, meta: AttentionMetadata, backend: str)
         q, cache = q.to(DEVICE), cache.to(DEVICE)
         meta = AttentionMetadata(meta.slot_mapping, meta.num_decodes, meta.decode_block_tables.to(DEVICE),
                                  meta.decode_seq_lens.to(DEVICE), [])
-    return attn._decode(q, cache[0], cache[1], meta, backend).cpu()
+    return BACKENDS[backend]().decode(q, cache[0], cache[1], meta, attn.scale).cpu()
 
 
 def triton_decode(q, cache, meta: AttentionMetadata, scale: float, splits: int) -> torch.Tensor:
@@ -260,7 +261,7 @@ def test_mixed_batch_with_chunked_prefill_matches_reference(kv_dtype, backend, m
     """Decodes, a fresh prompt and a later chunk of a chunked prefill, in one flat batch through forward(), over a
     cache of each type, with the C kernels (cache write, decode) or PyTorch: what is read back from the cache is
     rounded to its type (a fresh prompt attends to its own float32 K/V)."""
-    monkeypatch.setattr(attention_layer, "attention_backend", lambda device_type, dtype: backend)
+    monkeypatch.setattr(attention_layer.layer, "select_backend", lambda device, dtype: BACKENDS[backend]())
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
     attn = Attention(heads, kv_heads, head_dim)
     gen = torch.Generator().manual_seed(1)
