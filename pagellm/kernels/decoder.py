@@ -57,8 +57,17 @@ def load() -> ctypes.CDLL | None:
     return load_library(SOURCE, _FLAGS + isa_flags(), "the fused CPU decode step", SIGNATURES)
 
 
+def loaded() -> ctypes.CDLL:
+    """The library, for callers that know it loads (they checked `load()` first)."""
+    library = load()
+    assert library is not None, "check load() first and use the PyTorch path when it returns None"
+    return library
+
+
 def _address(function) -> int:
-    return ctypes.cast(function, _PTR).value
+    address = ctypes.cast(function, _PTR).value
+    assert address is not None
+    return address
 
 
 @dataclass
@@ -93,7 +102,7 @@ class FusedDecoder:
                          "k_norm"):
                 tensor = getattr(w, name)
                 setattr(struct, name, None if tensor is None else tensor.data_ptr())
-        lib_linear, lib_elementwise, lib_attention = linear.load(), elementwise.load(), paged_attention.load()
+        lib_linear, lib_elementwise, lib_attention = linear.loaded(), elementwise.loaded(), paged_attention.loaded()
         self._decoder = _Decoder(
             _address(lib_linear.pagellm_matmul), _address(lib_elementwise.rms_norm_f32),
             _address(lib_elementwise.silu_and_mul_f32), _address(lib_elementwise.rope_f32),
@@ -101,7 +110,7 @@ class FusedDecoder:
             hidden, heads, kv_heads, head_dim, intermediate, 0, 0, len(layers), 0, eps, head_dim ** -0.5,
             cos_table.data_ptr(), sin_table.data_ptr(), self._layers)
         self._caches: list[torch.Tensor] | None = None
-        self._run = load().pagellm_decoder_forward
+        self._run = loaded().pagellm_decoder_forward
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> None:
         """Point the layers at this KV cache ([2, Hkv, num_blocks, block_size, D] per layer, any of

@@ -36,6 +36,13 @@ def load() -> ctypes.CDLL | None:
     return load_library(SOURCE, _FLAGS + isa_flags(), "RMSNorm, SiLU and RoPE", SIGNATURES)
 
 
+def loaded() -> ctypes.CDLL:
+    """The library, for callers that know it loads (they checked `load()` or `applies` first)."""
+    library = load()
+    assert library is not None, "check load() first and use the PyTorch path when it returns None"
+    return library
+
+
 def applies(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
 
@@ -53,8 +60,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     dim = weight.shape[0]
     _check_float32(x, weight, *(() if residual is None else (residual,)))
     out = torch.empty(x.shape, dtype=torch.float32)
-    load().rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                        out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
+    loaded().rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                          out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads())
     return out
 
 
@@ -63,7 +70,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     _check_float32(x)
     out = torch.empty((*x.shape[:-1], d), dtype=torch.float32)
-    load().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
+    loaded().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
     return out
 
 
@@ -73,5 +80,5 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin
     _check_float32(x, cos_table, sin_table)
     if x.stride()[1:] != (dim, 1) or positions.dtype != torch.int64 or not positions.is_contiguous():
         raise ValueError("rope_ needs contiguous head rows and contiguous int64 positions")
-    load().rope_f32(x.data_ptr(), tokens, heads, x.stride(0), dim, positions.data_ptr(), cos_table.data_ptr(),
-                    sin_table.data_ptr())
+    loaded().rope_f32(x.data_ptr(), tokens, heads, x.stride(0), dim, positions.data_ptr(), cos_table.data_ptr(),
+                      sin_table.data_ptr())

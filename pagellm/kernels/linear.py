@@ -52,6 +52,13 @@ def load() -> ctypes.CDLL | None:
     return load_library(SOURCE, _FLAGS, "packed-weight linear layers", SIGNATURES)
 
 
+def loaded() -> ctypes.CDLL:
+    """The library, for callers that know it loads (they checked `load()` or `available()` first)."""
+    library = load()
+    assert library is not None, "check load() first and use the PyTorch path when it returns None"
+    return library
+
+
 def available() -> bool:
     return load() is not None
 
@@ -59,7 +66,7 @@ def available() -> bool:
 @cache
 def use_avx2() -> bool:
     """AVX2+FMA+F16C when the CPU has them, unless PAGELLM_CPU_ISA=scalar asks for the portable path."""
-    return envs.cpu_isa() != "scalar" and bool(load().pagellm_cpu_has_avx2())
+    return envs.cpu_isa() != "scalar" and bool(loaded().pagellm_cpu_has_avx2())
 
 
 def row_bytes(qtype: int, columns: int) -> int:
@@ -100,16 +107,16 @@ class PackedMatmul:
         if qtype in BLOCK_TYPES:
             plain = qweight.contiguous()
             qweight = torch.empty_like(plain)
-            grouped_rows = load().pagellm_interleave(int(qtype), plain.data_ptr(), plain.shape[0], plain.shape[1],
-                                                     qweight.data_ptr())
-        self.weight = qweight  # keeps the memory the kernel reads alive
+            grouped_rows = loaded().pagellm_interleave(int(qtype), plain.data_ptr(), plain.shape[0], plain.shape[1],
+                                                       qweight.data_ptr())
+        self.weight: torch.Tensor | None = qweight  # keeps the memory the kernel reads alive (None: a stack)
         self.parts: tuple[PackedMatmul, ...] = ()
-        self._part_matrices = None
+        self._part_matrices: ctypes.Array[_Matrix] | None = None  # a stack's copies of its parts' descriptors
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self._matrix = _Matrix(int(qtype), int(use_avx2()), 0, qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
                                in_features, grouped_rows, 0, None)
         self.pointer = ctypes.addressof(self._matrix)  # what the fused decoder (kernels.decoder) passes to C
-        self._run = load().pagellm_matmul
+        self._run = loaded().pagellm_matmul
 
     @classmethod
     def stack(cls, parts: list[PackedMatmul]) -> PackedMatmul:
@@ -120,11 +127,12 @@ class PackedMatmul:
         stacked = cls.__new__(cls)
         stacked.weight, stacked.parts = None, tuple(parts)
         stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
-        stacked._part_matrices = (_Matrix * len(parts))(*(p._matrix for p in parts))  # copies the C side reads
+        part_matrices = (_Matrix * len(parts))(*(p._matrix for p in parts))  # copies the C side reads
+        stacked._part_matrices = part_matrices
         stacked._matrix = _Matrix(0, 0, 0, None, 0, stacked.out_features, stacked.in_features, 0, len(parts),
-                                  ctypes.addressof(stacked._part_matrices))
+                                  ctypes.addressof(part_matrices))
         stacked.pointer = ctypes.addressof(stacked._matrix)
-        stacked._run = load().pagellm_matmul
+        stacked._run = loaded().pagellm_matmul
         return stacked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,6 +158,8 @@ class PackedMatmul:
     @int8_activations.setter
     def int8_activations(self, on: bool) -> None:
         self._matrix.int8_activations = int(on)
+        if self._part_matrices is None:
+            return
         for i, part in enumerate(self.parts):  # a stack's C side reads its copies of the parts
             part.int8_activations = on
             self._part_matrices[i].int8_activations = int(on)
@@ -160,8 +170,8 @@ class PackedMatmul:
             return self.dequantize()[ids]
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(flat.shape[0], self.in_features, dtype=torch.float32)
-        _check(load().pagellm_dequantize_rows(self.pointer, flat.data_ptr(), flat.shape[0], out.data_ptr(),
-                                              torch.get_num_threads()), "dequantize")
+        _check(loaded().pagellm_dequantize_rows(self.pointer, flat.data_ptr(), flat.shape[0], out.data_ptr(),
+                                                torch.get_num_threads()), "dequantize")
         return out.view(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:

@@ -45,6 +45,13 @@ def load() -> ctypes.CDLL | None:
     return load_library(SOURCE, _FLAGS + isa_flags(), "CPU decode attention", SIGNATURES)
 
 
+def loaded() -> ctypes.CDLL:
+    """The library, for callers that know it loads (they checked `load()` first)."""
+    library = load()
+    assert library is not None, "check load() first and use the PyTorch path when it returns None"
+    return library
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """key, value [T, Hkv, D] float32 with contiguous head rows (any token stride); caches [Hkv, num_blocks,
@@ -53,10 +60,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     num_tokens, num_kv_heads, head_dim = key.shape
     assert key.dtype == value.dtype == torch.float32
     assert key.stride()[1:] == (head_dim, 1) and value.stride()[1:] == (head_dim, 1)
-    load().reshape_and_cache(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
-                             slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
-                             key_cache.shape[1] * key_cache.shape[2], key_cache.data_ptr(), value_cache.data_ptr(),
-                             KV_TYPES[key_cache.dtype])
+    loaded().reshape_and_cache(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+                               slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim,
+                               key_cache.shape[1] * key_cache.shape[2], key_cache.data_ptr(), value_cache.data_ptr(),
+                               KV_TYPES[key_cache.dtype])
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -66,8 +73,7 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     [B, max_blocks] int64; seq_lens [B] int64 (including the query token). Returns [B, H, D] float32.
     `partition_tokens` splits sequences into partitions of that many tokens (rounded up to whole blocks); 0 lets
     the kernel split only when there are too few (sequence, kv head) pairs for the threads."""
-    library = load()
-    assert library is not None, "call load() first and fall back when it returns None"
+    library = loaded()
     query = query.contiguous()
     block_tables = block_tables.contiguous()
     batch, num_heads, head_dim = query.shape

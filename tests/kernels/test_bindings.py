@@ -63,7 +63,9 @@ def _top_level(text: str) -> str:
 
 
 def _split_params(params: str) -> list[str]:
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in params:
         if char == "," and depth == 0:
             parts.append("".join(current).strip())
