@@ -6,15 +6,15 @@ Everything else stays on the event loop, in the front end it shares with the off
 tokenization and validation, detokenization, stop strings, RequestOutputs, beam search results), with timing for
 metrics. Requests and aborts go to the client, and any other command as a utility call (`call_utility`: finishing
 sequences a stop string ended, the dashboard's state snapshot); each engine pass's CoreUpdate comes back on the
-client's thread and is handed to the event loop of each request's consumer with `loop.call_soon_threadsafe`. The model therefore never waits for text
-processing, and a busy HTTP side only delays its own outputs. Torch releases the GIL in its kernels, so both
-sides make progress on one process.
+client's thread and is handed to the event loop of each request's consumer with `loop.call_soon_threadsafe`. The
+model therefore never waits for text processing, and a busy HTTP side only delays its own outputs. Torch releases
+the GIL in its kernels, so both sides make progress on one process.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from typing import Any
 
 from pagellm.beam_search import BeamSearchOutput
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.async_stats import FrontendStats, record_beam_search
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import EngineCoreClient, InprocClient
 from pagellm.engine.core_loop import resolve_future
@@ -31,9 +32,7 @@ from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.exceptions import EngineDeadError, InvalidRequestError, request_failure
 from pagellm.logger import init_logger
-from pagellm.metrics.loggers import LoggingStatLogger
-from pagellm.metrics.stats import (IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase,
-                                   aggregate_scheduler_stats)
+from pagellm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -61,8 +60,7 @@ class AsyncLLM:
         self.frontend = frontend
         self.config = frontend.config
         self.max_waiting_requests = max_waiting_requests
-        self.stat_loggers: list[StatLoggerBase] = [LoggingStatLogger(self.get_scheduler_stats)] if log_stats else []
-        self._replica_stats: list[SchedulerStats] = client.initial_stats()  # each engine's latest snapshot
+        self.stats = FrontendStats(client.initial_stats(), log_stats)
         self._streams: dict[str, _RequestStream] = {}  # live requests (the client's threads only read it)
         self._utility_calls: set[Future] = set()  # call_utility() calls being answered
         self._stopped_reason: str | None = None
@@ -145,7 +143,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         return stream
 
-    async def _stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput | BeamSearchOutput]:
+    async def _stream_outputs(self, stream: _RequestStream) -> AsyncGenerator[Any, None]:
         """A queued request's outputs until its last one; leaving early aborts it."""
         request_id = stream.request_id
         if self._stopped_reason is not None:  # checked after queueing: a dying engine may have missed it
@@ -167,7 +165,7 @@ class AsyncLLM:
             if not done:
                 # The consumer went away (client disconnect, cancellation) or abort() was called: free the blocks.
                 self.client.abort_requests([request_id])
-                self._record(IterationStats(finished_requests=[stream.stats.finished("abort", time.monotonic())],
+                self.stats.record(IterationStats(finished_requests=[stream.stats.finished("abort", time.monotonic())],
                                             engine_index=stream.engine_index))
 
     async def abort(self, request_id: str) -> None:
@@ -202,11 +200,11 @@ class AsyncLLM:
 
     def get_scheduler_stats(self) -> SchedulerStats:
         """All engines' latest snapshots, summed."""
-        return aggregate_scheduler_stats(self._replica_stats)
+        return self.stats.scheduler_stats()
 
     def get_replica_scheduler_stats(self) -> list[SchedulerStats]:
         """Each engine's (data-parallel replica's) latest snapshot, by engine index."""
-        return list(self._replica_stats)
+        return list(self.stats.replica_stats)
 
     def check_engine_index(self, engine_index: int) -> int:
         """`engine_index` if it names one of the engines (data-parallel replicas), else InvalidRequestError."""
@@ -235,11 +233,10 @@ class AsyncLLM:
             self._utility_calls.discard(future)
 
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
-        self.stat_loggers.append(stat_logger)
+        self.stats.stat_loggers.append(stat_logger)
 
     def do_log_stats(self) -> None:
-        for stat_logger in self.stat_loggers:
-            stat_logger.log()
+        self.stats.log()
 
     def _process_core_outputs(self, engine_index: int, outputs: list[EngineCoreOutput], failed: dict[str, str],
                               beam_searches: dict[str, BeamSearchOutput]) -> None:
@@ -260,7 +257,7 @@ class AsyncLLM:
                 stream.queue.put_nowait(request_failure(request_id, error))
                 failures.finished_requests.append(stream.stats.finished("error", time.monotonic()))
         if failures.finished_requests:
-            self._record(failures)
+            self.stats.record(failures)
         for output in outputs:
             stream = self._streams.get(output.group_id)
             if stream is not None and stream.stats.first_scheduled_time is None:
@@ -278,10 +275,10 @@ class AsyncLLM:
         for request_id, result in beam_searches.items():
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                output = self.frontend.finish_beam_search(request_id, result)
-                _record_beam_search(stream.stats, output, now, iteration)
-                stream.queue.put_nowait(output)
-        self._record(iteration)
+                beams = self.frontend.finish_beam_search(request_id, result)
+                record_beam_search(stream.stats, beams, now, iteration)
+                stream.queue.put_nowait(beams)
+        self.stats.record(iteration)
 
     def _fail(self, request_ids: Iterable[str] | None, error: BaseException) -> None:
         """On the event loop: end these requests' streams (all of this loop's when None) with `error`."""
@@ -291,15 +288,11 @@ class AsyncLLM:
                 self._drop(request_id)
                 stream.queue.put_nowait(error)
 
-    def _record(self, iteration: IterationStats) -> None:
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(iteration)
-
     # ---- the client's threads ---------------------------------------------------------------------------------
     def _on_update(self, engine_index: int, update: CoreUpdate) -> None:
         """Hand one engine pass's outputs and refusals to the event loops of their consumers (one wake-up of each
         loop per pass)."""
-        self._replica_stats[engine_index] = update.stats  # before the outputs: a finished request is not counted
+        self.stats.observe(engine_index, update.stats)  # before the outputs: a finished request is not counted
         batches: dict[asyncio.AbstractEventLoop,
                       tuple[list[EngineCoreOutput], dict[str, str], dict[str, BeamSearchOutput]]] = {}
         for output in update.outputs.outputs:
@@ -340,17 +333,6 @@ class AsyncLLM:
             for request_id in orphans:
                 self._streams.pop(request_id, None)
             self.client.abort_requests(orphans)
-
-
-def _record_beam_search(stats: RequestStateStats, output: BeamSearchOutput, now: float,
-                        iteration: IterationStats) -> None:
-    """A finished beam search counts its prompt, and its best beam's tokens as generated."""
-    best = output.sequences[0] if output.sequences else None
-    iteration.num_prompt_tokens += stats.num_prompt_tokens
-    if best is not None:
-        stats.num_generation_tokens = len(best.tokens) - stats.num_prompt_tokens
-        iteration.num_generation_tokens += stats.num_generation_tokens
-    iteration.finished_requests.append(stats.finished(best.finish_reason if best else "length", now))
 
 
 def _check_max_waiting_requests(max_waiting_requests: int | None) -> None:

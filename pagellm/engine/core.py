@@ -100,7 +100,7 @@ class EngineCore:
     def call_utility(self, method: str, *args: Any) -> Any:
         """Run the `@utility` method `method` with `args`; anything else is refused with ValueError."""
         function = getattr(type(self), method, None)
-        if not getattr(function, "engine_utility", False):
+        if not callable(function) or not getattr(function, "engine_utility", False):
             raise ValueError(f"{method!r} is not an engine utility.")
         return function(self, *args)
 

@@ -4,7 +4,7 @@ is checked here, so a request the engine could never serve is refused with an In
 and the limit, before it is queued."""
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
@@ -16,7 +16,7 @@ from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import LazyBackend
 
 # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}; a dict may add "cache_salt": "..." (vLLM's).
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 
 
 class InputProcessor:

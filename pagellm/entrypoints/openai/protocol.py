@@ -20,7 +20,7 @@ from pagellm.entrypoints.openai.protocol_structured import (REMOVED_GUIDED_FIELD
                                                             ChatCompletionToolsParam, DeltaToolCall, ResponseFormat,
                                                             StructuredOutputsRequest, ToolCall)
 from pagellm.exceptions import InvalidRequestError
-from pagellm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import INT64_MAX, INT64_MIN, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
@@ -34,6 +34,7 @@ MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 256
 MAX_TOKEN_ID_ITEMS = 1024
 MAX_TOOLS = 128
+MAX_LENGTH_PENALTY = 10.0
 
 # OpenAI's defaults for a request that leaves them out (the web chat shows them as the server's defaults).
 DEFAULT_TEMPERATURE = 1.0
@@ -89,8 +90,8 @@ class SamplingRequest(RequestModel):
         "logits_processors": "custom logits processors are not supported",
         "allowed_token_ids": "allowed_token_ids is not implemented; use logit_bias",
         "prompt_logprobs": "prompt logprobs are not available over HTTP yet",
-        "use_beam_search": "beam search is offline only (LLM.beam_search)",
-        "length_penalty": "beam search is offline only (LLM.beam_search)",
+        "use_beam_search": "beam search is served on /v1/completions only",
+        "length_penalty": "beam search is served on /v1/completions only",
         "return_tokens_as_token_ids": "return_tokens_as_token_ids is not implemented",
         "vllm_xargs": "vllm_xargs (custom logits-processor arguments) is not supported",
         "prompt_embeds": "prompt embeddings are not supported",
@@ -170,9 +171,20 @@ class SamplingRequest(RequestModel):
             structured_outputs=structured_outputs or self.structured_output_params())
 
 
+# Beam search (vLLM's `use_beam_search` on /v1/completions) ranks beams by their logprobs alone: the sampling fields
+# that would change that are refused with it unless left at these values (besides their defaults).
+BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "temperature": (0.0,), "top_p": (1.0,), "top_k": (0,), "min_p": (), "presence_penalty": (),
+    "frequency_penalty": (), "repetition_penalty": (), "seed": (), "logit_bias": ({},), "min_tokens": (),
+    "stop": ([],), "stop_token_ids": ([],), "include_stop_str_in_output": (), "bad_words": ([],),
+    "truncate_prompt_tokens": (), "priority": (), "response_format": (), "structured_outputs": (), "logprobs": (),
+    "skip_special_tokens": (), "spaces_between_special_tokens": ()}
+
+
 class CompletionRequest(SamplingRequest):
     unsupported_fields: ClassVar[dict[str, str]] = {
-        **SamplingRequest.unsupported_fields,
+        **{name: reason for name, reason in SamplingRequest.unsupported_fields.items()
+           if name not in ("use_beam_search", "length_penalty")},
         "echo": "echoing the prompt is not implemented",
         "suffix": "insertion (suffix) is not implemented",
     }
@@ -183,13 +195,30 @@ class CompletionRequest(SamplingRequest):
     logprobs: NonNegativeInt64 | None = None
     best_of: PositiveInt64 | None = None
     add_special_tokens: bool = True  # vLLM's: add the tokenizer's special tokens (BOS) to text prompts
+    # vLLM's beam search: `n` beams (the beam width), ranked by cum_logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    # Bounded so that length ** length_penalty stays a finite, non-zero float for any context length.
+    length_penalty: Annotated[float, Field(ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)] = 1.0
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise PydanticCustomError("unsupported_field", "{field} is not supported: only best_of == n",
                                       {"field": "best_of"})
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise PydanticCustomError("unsupported_field", "{field} applies only with use_beam_search",
+                                      {"field": "length_penalty"})
+        if self.use_beam_search:
+            for name, neutral in BEAM_SEARCH_NEUTRAL.items():
+                value = getattr(self, name)
+                if value != type(self).model_fields[name].default and value not in neutral:
+                    raise PydanticCustomError("unsupported_field", "{field} is not supported with use_beam_search "
+                                              "(beams are ranked by their logprobs alone)", {"field": name})
         return self
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
+                                ignore_eos=self.ignore_eos)
 
 
 class TextContentPart(OpenAIBaseModel):

@@ -1,5 +1,6 @@
 """POST /v1/completions: prompts (text or token ids, one or a batch) -> a completion response or an SSE stream,
-with OpenAI's legacy logprobs shape."""
+with OpenAI's legacy logprobs shape. With `use_beam_search` (vLLM's), each prompt's `n` choices are the beams of
+the engine's beam search (AsyncLLM.beam_search, the one LLM.beam_search runs), best first, sent when it ends."""
 from __future__ import annotations
 
 import time
@@ -9,8 +10,9 @@ from collections.abc import AsyncIterator
 from pagellm.entrypoints.openai.errors import OpenAIServingError, sse_error
 from pagellm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                  CompletionResponseChoice)
-from pagellm.entrypoints.openai.serving_engine import (OpenAIServing, TokensPrompt, accumulate, chain_first,
-                                                       usage)
+from pagellm.entrypoints.openai.serving_engine import (IndexedOutput, OpenAIServing, TokensPrompt, accumulate,
+                                                       chain_first, usage)
+from pagellm.entrypoints.utils import merge_async_iterators
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
@@ -45,10 +47,40 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_length(prompt, params, "prompt")
         self.check_batch_size(prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        first, rest = await self.start(prompts, params, request_id, request)
+        if request.use_beam_search:
+            first, rest = await self._start_beam_search(prompts, request, request_id)
+        else:
+            first, rest = await self.start(prompts, params, request_id, request)
         if request.stream:
             return self._stream(request, request_id, model, first, rest)
         return await self._full(request, request_id, model, chain_first(first, rest))
+
+    async def _start_beam_search(self, prompts: list[TokensPrompt], request: CompletionRequest,
+                                 request_id: str) -> tuple[IndexedOutput, AsyncIterator[IndexedOutput]]:
+        """As `start`: submit a beam search per prompt and wait for the first to finish, so a bad request fails
+        before any response is sent."""
+        if request.cache_salt is not None:
+            prompts = [{**prompt, "cache_salt": request.cache_salt} for prompt in prompts]
+        merged = merge_async_iterators(*(self._beam_search(prompt, request, f"{request_id}-{i}")
+                                         for i, prompt in enumerate(prompts)))
+        try:
+            first = await anext(merged)
+        except BaseException:
+            await merged.aclose()
+            raise
+        return first, merged
+
+    async def _beam_search(self, prompt: TokensPrompt, request: CompletionRequest,
+                           request_id: str) -> AsyncIterator[RequestOutput]:
+        """One prompt's beam search as one finished RequestOutput whose completions are its beams, best first
+        (token ids: what each beam generated, a final EOS included, as vLLM reports them)."""
+        prompt_ids = prompt["prompt_token_ids"]
+        params = request.to_beam_search_params(request.max_tokens or self.max_model_len - len(prompt_ids))
+        async for result in self.engine.beam_search(prompt, params, request_id):
+            beams = [CompletionOutput(index=i, text=beam.text or "", token_ids=beam.tokens[len(prompt_ids):],
+                                      cumulative_logprob=beam.cum_logprob, finish_reason=beam.finish_reason)
+                     for i, beam in enumerate(result.sequences)]
+            yield RequestOutput(request_id, prompt.get("prompt"), prompt_ids, beams, finished=True)
 
     @staticmethod
     def _batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

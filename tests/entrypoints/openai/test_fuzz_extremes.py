@@ -172,6 +172,8 @@ COMPLETION_FIELDS = {
     "echo": st.sampled_from(BOOLS),
     "suffix": st.sampled_from(STRINGS + [5, None]),
     "best_of": st.sampled_from(NUMBERS),
+    "use_beam_search": st.sampled_from(BOOLS),
+    "length_penalty": st.sampled_from(NUMBERS),
 }
 CHAT_FIELDS = {
     **COMMON_FIELDS,
