@@ -234,3 +234,13 @@ def test_the_package_data_ships_every_kernel_source():
     folder = linear.SOURCE.parent
     c_files = {path for path in folder.iterdir() if path.suffix in (".c", ".h", ".inc")}
     assert c_files and c_files <= {path for pattern in patterns for path in folder.glob(pattern)}
+
+
+@pytest.mark.parametrize("binding", BINDINGS, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_checker_catches_each_real_table_with_an_extra_argument_or_a_missing_entry(binding):
+    source = _inline_local_includes(binding.SOURCE)
+    name, (restype, argtypes) = next(iter(binding.SIGNATURES.items()))
+    short = dict(binding.SIGNATURES, **{name: (restype, list(argtypes) + [ctypes.c_int])})
+    assert any(p.startswith(f"{name}: {len(argtypes) + 1} argtypes") for p in mismatches(source, short))
+    missing = {other: signature for other, signature in binding.SIGNATURES.items() if other != name}
+    assert mismatches(source, missing) == [f"{name}: exported by the C source but missing from SIGNATURES"]

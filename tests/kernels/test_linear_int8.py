@@ -1,4 +1,4 @@
-"""The int8-activation path of the packed-weight kernel (kernels/linear_int8.h, `--quantize-activations`) against
+"""The int8-activation path of the packed-weight kernel (kernels/linear_int8.inc, `--quantize-activations`) against
 NumPy: the activations rounded to int8 as documented (per 32 values for 32-weight types, per 256 for K-quants,
 scale max|x| / 127, round to nearest even), times the gguf package's dequantized weights in float64; offsets and
 minimums with the exact activation sums."""
