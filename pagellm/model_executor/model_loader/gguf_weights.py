@@ -1,9 +1,10 @@
 """A GGUF file's tensors under Hugging Face names, matrices kept packed (`PackedTensor`) as the file stores them.
 
 The file is read with one sequential read (mapped, for a rank that keeps a slice: see file_reader.py), and each
-tensor is found through the index the converter wrote beside the checkpoint (`gguf_loader.gguf_tensor_index`): no
-metadata parsing at load. Rows of ggml blocks are independent, so llama.cpp's Q/K row permutation (where the
-index names one) is undone on the packed bytes and fused projections can stack packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
+tensor is found through the index the converter wrote beside the checkpoint (`gguf_loader.gguf_tensor_index`), which
+also says how it becomes the Hugging Face tensor: no metadata parsing at load. Rows of ggml blocks are independent,
+so llama.cpp's Q/K row permutation (where the index names one) is undone on the packed bytes and fused projections
+can stack packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from gguf import GGMLQuantizationType, quants
 
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.model_loader.file_reader import read_file
-from pagellm.model_executor.model_loader.gguf_loader import (ROPE_FREQS, gguf_source, gguf_tensor_index,
-                                                             hf_tensor_name, unpermute_rows)
+from pagellm.model_executor.model_loader.gguf_loader import gguf_source, gguf_tensor_index, unpermute_rows
 
 
 def iterate_gguf_weights(model_dir: str | os.PathLike,
@@ -26,8 +26,6 @@ def iterate_gguf_weights(model_dir: str | os.PathLike,
     index = gguf_tensor_index(model_dir)
     buffer = read_file(gguf_source(model_dir), mapped)
     for entry in index:
-        if entry["name"] == ROPE_FREQS:
-            continue
         qtype = GGMLQuantizationType(entry["type"])
         shape = tuple(reversed(entry["shape"]))  # GGUF lists dimensions innermost first
         raw = buffer[entry["offset"]:entry["offset"] + entry["bytes"]]
@@ -35,10 +33,10 @@ def iterate_gguf_weights(model_dir: str | os.PathLike,
         if len(shape) == 2 and qtype != GGMLQuantizationType.F32:
             weight = PackedTensor(qtype, raw.view(shape[0], -1), shape)
         else:  # norms (and float32 matrices): float32, as the gguf package dequantizes them
-            weight = torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(shape)
+            weight = torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(shape) + entry["value_offset"]
         permute_heads = entry["unpermute_heads"]
         if permute_heads and isinstance(weight, PackedTensor):
             weight.data = unpermute_rows(weight.data, permute_heads)
         elif permute_heads:
             weight = unpermute_rows(weight, permute_heads)
-        yield hf_tensor_name(entry["name"]), weight
+        yield entry["hf_name"], weight
