@@ -64,7 +64,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     quantization: str = "none"  # how weights are stored: see layers/quantization.py
-    quantize_activations: bool = False  # int8 activations for packed weights (linear_int8.h)
+    quantize_activations: bool = False  # int8 activations for packed weights (linear_int8.inc)
     gguf_file: str | None = None  # the GGUF file the checkpoint directory was converted from
     enforce_eager: bool = False  # CUDA: no decode graphs
 

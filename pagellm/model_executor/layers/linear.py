@@ -93,7 +93,7 @@ class Linear(nn.Module):
 
 def quantize_activations(model: nn.Module) -> int:
     """Give every packed layer of `model` int8 activations (`--quantize-activations`: llama.cpp's arithmetic,
-    kernels/linear_int8.h): K-quant layers in every matmul, prefill included, 32-weight types in matmuls of up to 48
+    kernels/linear_int8.inc): K-quant layers in every matmul, prefill included, 32-weight types in matmuls of up to 48
     rows; returns how many layers changed."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_types]
     for layer in layers:

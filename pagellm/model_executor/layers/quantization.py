@@ -8,7 +8,7 @@
 - "none": every weight is dequantized to the model dtype.
 
 Independently, `--quantize-activations` gives packed weights llama.cpp's arithmetic (int8 activations,
-kernels/linear_int8.h): K-quants in every matmul, the 32-weight types in matmuls of up to 48 rows; faster, no
+kernels/linear_int8.inc): K-quants in every matmul, the 32-weight types in matmuls of up to 48 rows; faster, no
 longer exact.
 """
 from __future__ import annotations
