@@ -25,15 +25,17 @@ class TorchBackend(AttentionBackend):
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        assert tables is not None and lens is not None, "metadata with decodes has their tables"
         batch, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[0]
         group = num_heads // num_kv_heads
         # Heads outermost: the gather lands as [Hkv, B, L, D], contiguous, so the matmuls need no transposing copy.
-        keys = gather_blocks(key_cache, meta.decode_block_tables).to(q.dtype)
-        values = gather_blocks(value_cache, meta.decode_block_tables).to(q.dtype)
+        keys = gather_blocks(key_cache, tables).to(q.dtype)
+        values = gather_blocks(value_cache, tables).to(q.dtype)
         q = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
         scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale  # [Hkv, B, G, L]
-        padding = torch.arange(keys.shape[2], device=q.device) >= meta.decode_seq_lens[:, None]  # [B, L]
+        padding = torch.arange(keys.shape[2], device=q.device) >= lens[:, None]  # [B, L]
         scores.masked_fill_(padding[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(batch, num_heads, head_dim)
@@ -56,6 +58,7 @@ def prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: 
         # The whole sequence is in this chunk: attend to the fresh K/V, no cache read needed.
         keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
     else:
+        assert chunk.block_ids is not None, "a chunk behind cached context reads its blocks"
         keys = gather_blocks(key_cache, chunk.block_ids)[:, :chunk.seq_len].to(q.dtype)
         values = gather_blocks(value_cache, chunk.block_ids)[:, :chunk.seq_len].to(q.dtype)
         key_pos = torch.arange(chunk.seq_len, device=q.device)

@@ -91,8 +91,9 @@ class TritonBackend(TorchBackend):
                scale: float) -> torch.Tensor:
         from pagellm.kernels import triton_attention
 
-        return triton_attention.paged_decode_attention(q, key_cache, value_cache, meta.decode_block_tables,
-                                                       meta.decode_seq_lens, scale)
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        assert tables is not None and lens is not None, "metadata with decodes has their tables"
+        return triton_attention.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
