@@ -102,7 +102,7 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         # The step whose sampling waits for its grammar bitmask, with the constrained request ids.
         self._awaiting_grammar: tuple[ForwardResult, list[str]] | None = None
-        self.model = None
+        self.model: torch.nn.Module | None = None
         # The attention backend the step's metadata is built for: picked once, with the model (its device and dtype).
         self.attn_backend: AttentionBackend | None = None
         self.kv_caches: list[torch.Tensor] = []
