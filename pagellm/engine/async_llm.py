@@ -165,8 +165,8 @@ class AsyncLLM:
             if not done:
                 # The consumer went away (client disconnect, cancellation) or abort() was called: free the blocks.
                 self.client.abort_requests([request_id])
-                self.stats.record(IterationStats(finished_requests=[stream.stats.finished("abort", time.monotonic())],
-                                            engine_index=stream.engine_index))
+                aborted = stream.stats.finished("abort", time.monotonic())
+                self.stats.record(IterationStats(finished_requests=[aborted], engine_index=stream.engine_index))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its generate() iteration ends. Unknown or finished ids are ignored."""
