@@ -26,6 +26,10 @@ def engine(tiny_model_factory) -> LLMEngine:
     torch.set_num_threads(previous)
 
 
+def test_async_scheduling_picks_its_step_function_at_start(engine):
+    assert engine.engine_core.step_fn.__name__ == "_step_async"
+
+
 def record_batches(engine: LLMEngine, monkeypatch) -> list[tuple[int, list[str], int]]:
     """(batches in flight once submitted, request ids, sequences continuing blind) of every batch submitted."""
     core, batches = engine.engine_core, []
