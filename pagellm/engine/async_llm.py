@@ -258,10 +258,10 @@ class AsyncLLM:
                 failures.finished_requests.append(stream.stats.finished("error", time.monotonic()))
         if failures.finished_requests:
             self.stats.record(failures)
-        for output in outputs:
-            stream = self._streams.get(output.group_id)
+        for core_output in outputs:
+            stream = self._streams.get(core_output.group_id)
             if stream is not None and stream.stats.first_scheduled_time is None:
-                stream.stats.first_scheduled_time = output.first_scheduled_time
+                stream.stats.first_scheduled_time = core_output.first_scheduled_time
         now = time.monotonic()
         iteration = IterationStats(engine_index=engine_index)
         for output in processed.request_outputs:

@@ -13,15 +13,19 @@ already shown is never retracted by a stop string found later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT_CHAR = "\ufffd"
 
 
 @dataclass(eq=False)
 class IncrementalDetokenizer:
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -13,7 +13,7 @@ from starlette.requests import Request
 T = TypeVar("T")
 
 
-async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[tuple[int, T], None]:
     """Yield (index of the iterator, item) as items arrive from any of them. Closing the merged iterator (or an
     error in one) cancels the others, which aborts their requests."""
     if len(iterators) == 1:

@@ -16,9 +16,15 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagellm.entrypoints.openai.protocol_base import OpenAIBaseModel
-from pagellm.entrypoints.openai.protocol_structured import (REMOVED_GUIDED_FIELDS, ChatCompletionNamedToolChoiceParam,
-                                                            ChatCompletionToolsParam, DeltaToolCall, ResponseFormat,
-                                                            StructuredOutputsRequest, ToolCall)
+from pagellm.entrypoints.openai.protocol_structured import (
+    REMOVED_GUIDED_FIELDS,
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+)
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import INT64_MAX, INT64_MIN, BeamSearchParams, SamplingParams, StructuredOutputsParams
 

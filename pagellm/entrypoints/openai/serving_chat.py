@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from pagellm.entrypoints.openai.errors import sse_error
-from pagellm.entrypoints.openai.protocol import (ChatCompletionLogProbs, ChatCompletionRequest,
-                                                 ChatCompletionResponse, ChatCompletionResponseChoice,
-                                                 ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
-                                                 ChatLogProb, ChatLogProbsContent, ChatMessage, DeltaMessage)
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatMessage,
+    DeltaMessage,
+)
 from pagellm.entrypoints.openai.serving_completion import LOGPROB_FLOOR
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing, accumulate, chain_first, usage
-from pagellm.entrypoints.openai.tool_calls import (ToolCallStreamer, extract_tool_calls, tool_call_constraint,
-                                                   tool_mode)
+from pagellm.entrypoints.openai.tool_calls import ToolCallStreamer, extract_tool_calls, tool_call_constraint, tool_mode
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
 ROLE = "assistant"
@@ -37,7 +44,7 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
-            self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+            self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         model = self.model_name(request.model)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -71,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
                                             stop_reason=completion.stop_reason)
 
     async def _full(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,
-                    outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
+                    outputs: AsyncGenerator[tuple[int, RequestOutput], None]) -> ChatCompletionResponse:
         choices: dict[int, CompletionOutput] = {}
         latest: dict[int, RequestOutput] = {}
         async for _, output in outputs:
@@ -83,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,
                       first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      rest: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
         created = int(time.time())
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice], **fields) -> str:

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import cast
 
 from pagellm.entrypoints.openai.errors import OpenAIServingError, sse_error
-from pagellm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                                 CompletionResponseChoice)
-from pagellm.entrypoints.openai.serving_engine import (IndexedOutput, OpenAIServing, TokensPrompt, accumulate,
-                                                       chain_first, usage)
+from pagellm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+)
+from pagellm.entrypoints.openai.serving_engine import (
+    IndexedOutput,
+    OpenAIServing,
+    TokensPrompt,
+    accumulate,
+    chain_first,
+    usage,
+)
 from pagellm.entrypoints.utils import merge_async_iterators
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -38,7 +49,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create_completion(self,
+                                request: CompletionRequest) -> CompletionResponse | AsyncGenerator[str, None]:
         model = self.model_name(request.model)
         params = request.to_sampling_params(request.max_tokens, request.logprobs)
         truncating = params.truncate_prompt_tokens is not None
@@ -56,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self._full(request, request_id, model, chain_first(first, rest))
 
     async def _start_beam_search(self, prompts: list[TokensPrompt], request: CompletionRequest,
-                                 request_id: str) -> tuple[IndexedOutput, AsyncIterator[IndexedOutput]]:
+                                 request_id: str) -> tuple[IndexedOutput, AsyncGenerator[IndexedOutput, None]]:
         """As `start`: submit a beam search per prompt and wait for the first to finish, so a bad request fails
         before any response is sent."""
         if request.cache_salt is not None:
@@ -71,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return first, merged
 
     async def _beam_search(self, prompt: TokensPrompt, request: CompletionRequest,
-                           request_id: str) -> AsyncIterator[RequestOutput]:
+                           request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """One prompt's beam search as one finished RequestOutput whose completions are its beams, best first
         (token ids: what each beam generated, a final EOS included, as vLLM reports them)."""
         prompt_ids = prompt["prompt_token_ids"]
@@ -86,8 +98,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
         """The request's prompts: one text or token-id list, or a batch of either."""
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return [prompt]
-        return list(prompt)
+            return [cast(str | list[int], prompt)]
+        return list(cast(list[str] | list[list[int]], prompt))
 
     async def _prompt(self, prompt: str | list[int], add_special_tokens: bool, truncating: bool) -> TokensPrompt:
         if isinstance(prompt, str):
@@ -105,7 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
 
     async def _full(self, request: CompletionRequest, request_id: str, model: str,
-                    outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
+                    outputs: AsyncGenerator[tuple[int, RequestOutput], None]) -> CompletionResponse:
         choices: dict[int, CompletionOutput] = {}
         latest: dict[int, RequestOutput] = {}  # per prompt
         async for prompt_index, output in outputs:
@@ -117,7 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=usage(latest, sum(len(c.token_ids) for c in choices.values())))
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str, first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      rest: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
         created = int(time.time())
         latest: dict[int, RequestOutput] = {}  # per prompt
         completion_tokens = 0

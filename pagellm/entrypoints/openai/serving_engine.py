@@ -4,7 +4,7 @@ outputs into whole completions."""
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from http import HTTPStatus
 from typing import Any
 
@@ -100,7 +100,7 @@ class OpenAIServing:
                 f"--max-waiting-requests); send fewer prompts per request.", param="prompt")
 
     async def start(self, prompts: list[TokensPrompt], params: SamplingParams, request_id: str,
-                    request: SamplingRequest) -> tuple[IndexedOutput, AsyncIterator[IndexedOutput]]:
+                    request: SamplingRequest) -> tuple[IndexedOutput, AsyncGenerator[IndexedOutput, None]]:
         """Submit every prompt (with the request's cache_salt and priority) and wait for the first output, so that
         a bad request fails before any response is sent. Returns that first (prompt index, output) and the merged
         stream of the rest."""
@@ -117,8 +117,8 @@ class OpenAIServing:
         return first, merged
 
 
-async def chain_first(first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def chain_first(first: IndexedOutput,
+                      rest: AsyncGenerator[IndexedOutput, None]) -> AsyncGenerator[IndexedOutput, None]:
     yield first
     async for item in rest:
         yield item

@@ -29,8 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagellm.entrypoints.openai.protocol_structured import (ChatCompletionNamedToolChoiceParam, DeltaFunctionCall,
-                                                            DeltaToolCall, FunctionCall, ToolCall)
+from pagellm.entrypoints.openai.protocol_structured import (
+    ChatCompletionNamedToolChoiceParam,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 from pagellm.entrypoints.openai.tool_call_parser import RequiredCallsParser
 from pagellm.sampling_params import StructuredOutputsParams
 

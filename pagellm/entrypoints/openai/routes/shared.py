@@ -2,8 +2,9 @@
 (a pydantic body or a server-sent-events stream) into the HTTP response."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
+from typing import cast
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -24,7 +25,8 @@ class _ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            # respond() builds these responses from async generators only.
+            await cast(AsyncGenerator[str, None], self.body_iterator).aclose()
 
 
 def respond(result: BaseModel | AsyncIterator[str]) -> Response:
