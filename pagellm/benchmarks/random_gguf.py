@@ -45,7 +45,8 @@ def mix_types(mix: str, layer: int) -> dict[str, GGMLQuantizationType]:
         larger = T.Q6_K if layer % 2 == 0 else main
         return {"attn_q": main, "attn_k": main, "attn_v": larger, "attn_output": main, "ffn_gate": main,
                 "ffn_up": main, "ffn_down": larger}
-    return dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"), GGMLQuantizationType[mix])
+    return dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
+                         GGMLQuantizationType[mix])
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

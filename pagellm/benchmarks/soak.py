@@ -23,9 +23,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
 from pagellm.benchmarks.serve import add_server_args, listed_model, load_tokenizer, random_prompts, server_address
-from pagellm.benchmarks.soak_report import (Outcome, ServerState, SoakReport, drain, fetch_state, health_status,
-                                            summarize)
+from pagellm.benchmarks.soak_report import (
+    Outcome,
+    ServerState,
+    SoakReport,
+    drain,
+    fetch_state,
+    health_status,
+    summarize,
+)
 
 PROMPT_POOL_SIZE = 32
 LENGTH_SLACK_TOKENS = 8  # re-tokenizing a decoded prompt on the server can merge or split a few tokens

@@ -13,7 +13,6 @@ from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunnerOutput
 from pagellm.worker.worker import Worker
 
-
 # A submitted step whose sampling waits for `sample_submitted`.
 _AWAITING_SAMPLE = object()
 

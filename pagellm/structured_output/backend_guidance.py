@@ -26,8 +26,7 @@ import numpy as np
 
 from pagellm.exceptions import InvalidRequestError
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar,
-                                                     grammar_cache_key)
+from pagellm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar, grammar_cache_key
 from pagellm.structured_output.json_schema import close_objects
 
 _ANY_OBJECT = {"type": "object"}

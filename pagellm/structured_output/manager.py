@@ -21,8 +21,12 @@ import numpy as np
 from pagellm.config import ModelConfig, StructuredOutputsConfig
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
-from pagellm.structured_output.backend_types import (StructuredOutputBackend, StructuredOutputGrammar, bitmask_words,
-                                                     grammar_cache_key)
+from pagellm.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    bitmask_words,
+    grammar_cache_key,
+)
 from pagellm.structured_output.request import StructuredOutputRequest
 from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 

@@ -170,7 +170,8 @@ def run_async_workload(w) -> tuple[Scheduler, dict, dict[str, int]]:
     config = SchedulerConfig(max_num_seqs=w.max_num_seqs,
                              max_num_batched_tokens=w.max_num_batched_tokens, enable_chunked_prefill=w.chunked,
                              scheduling_policy=w.policy, preemption_mode=w.preemption_mode, async_scheduling=True)
-    sched = Scheduler(config, MAX_MODEL_LEN, KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks))
+    kv_cache_manager = KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks)
+    sched = Scheduler(config, MAX_MODEL_LEN, kv_cache_manager)
     cache, worker, bs = FakeKVCache(w.num_blocks, w.num_host_blocks, w.block_size), InputBatch(), w.block_size
     specs = {s.request_id: s for s in w.specs}
     requests, aborted_at, in_flight, last_sampled = {}, {}, deque(), {}

@@ -196,7 +196,8 @@ def run_workload(w: Workload) -> tuple[Scheduler, dict[str, Request], dict[str, 
     config = SchedulerConfig(max_num_seqs=w.max_num_seqs,
                              max_num_batched_tokens=w.max_num_batched_tokens, enable_chunked_prefill=w.chunked,
                              scheduling_policy=w.policy, preemption_mode=w.preemption_mode)
-    sched = Scheduler(config, MAX_MODEL_LEN, KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks))
+    kv_cache_manager = KVCacheManager(w.num_blocks, w.block_size, w.prefix_caching, w.num_host_blocks)
+    sched = Scheduler(config, MAX_MODEL_LEN, kv_cache_manager)
     cache = FakeKVCache(w.num_blocks, w.num_host_blocks, w.block_size)
     worker = InputBatch()  # what a worker rebuilds from the outputs' diffs alone
     bs = w.block_size

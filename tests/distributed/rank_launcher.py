@@ -47,8 +47,12 @@ def run_ranks(target: Callable[..., Any], tmp_path: Path, tensor_parallel_size: 
 
 def _rank_main(target: Callable[..., Any], rank: int, tensor_parallel_size: int, pipeline_parallel_size: int,
                init_method: str, out_dir: str, args: tuple) -> None:
-    from pagellm.distributed import (destroy_distributed_environment, destroy_model_parallel,
-                                     init_distributed_environment, initialize_model_parallel)
+    from pagellm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
     init_distributed_environment(tensor_parallel_size * pipeline_parallel_size, rank, init_method, "gloo")

@@ -17,8 +17,13 @@ from rank_launcher import run_ranks
 from pagellm.config import ModelConfig
 from pagellm.distributed.parallel_state import GroupCoordinator
 from pagellm.model_executor.layers import linear as linear_module
-from pagellm.model_executor.layers.linear import (KERNEL_MAX_ROWS, ColumnParallelLinear, MergedColumnParallelLinear,
-                                                  QKVParallelLinear, RowParallelLinear)
+from pagellm.model_executor.layers.linear import (
+    KERNEL_MAX_ROWS,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagellm.model_executor.layers.quantization import PackedTensor, quantize_q8_0
 from pagellm.model_executor.layers.sharding import narrow_columns, narrow_rows
 from pagellm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 from rank_launcher import run_ranks
 
-from pagellm.distributed import (get_pp_group, get_tp_group, init_distributed_environment,
-                                 initialize_model_parallel)
+from pagellm.distributed import get_pp_group, get_tp_group, init_distributed_environment, initialize_model_parallel
 
 
 def test_one_process_needs_no_process_group():

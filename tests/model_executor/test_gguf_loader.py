@@ -220,7 +220,8 @@ def test_synthetic_matches_transformers(tmp_path, qtype):
             if name in ours:
                 want = torch.from_numpy(value).to(expected_dtype if value.ndim == 2 else torch.float32)
                 assert torch.equal(ours[name], want), name
-    from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize as torch_dequantize
+    from transformers.integrations.gguf.dequant import GGML_BLOCK
+    from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
 
     if int(qtype) in GGML_BLOCK:  # transformers' torch dequantizer has no Q5_0/Q5_1
         reader = gguf.GGUFReader(path)

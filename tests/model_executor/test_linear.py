@@ -10,8 +10,8 @@ from gguf import GGMLQuantizationType as QT
 
 from pagellm.model_executor.layers import linear as linear_module
 from pagellm.model_executor.layers.linear import Linear, MergedColumnParallelLinear
-from pagellm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagellm.model_executor.layers.quantization import PackedTensor, quantize_q8_0
+from pagellm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
 def packed(rows: int, columns: int, qtype: QT, seed: int = 0) -> PackedTensor:

@@ -24,11 +24,10 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from safetensors.torch import save_file
 
 from pagellm import envs
-from pagellm.model_executor.model_loader.gguf_architectures import (GGUF_ARCHITECTURES, GLOBAL_TENSORS,
-                                                                   GGUFArchitecture)
-from safetensors.torch import save_file
+from pagellm.model_executor.model_loader.gguf_architectures import GGUF_ARCHITECTURES, GLOBAL_TENSORS, GGUFArchitecture
 
 # Bump whenever the output layout changes, so stale cache entries are never reused.
 CONVERTER_VERSION = "6"

@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 SEED = 20250101
 # Hypothesis examples per operation in the fuzzing phase (the coverage and examples phases add their own, and
