@@ -33,9 +33,10 @@ SIGNATURES: dict[str, Signature] = {
 
 # Mirrors decoder_cpu.c's pagellm_decoder_layer, field for field.
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in (
+    _fields_ = [*((name, _PTR) for name in (
         "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
-        "input_norm", "post_norm", "q_norm", "k_norm", "key_cache", "value_cache")]
+        "input_norm", "post_norm", "q_norm", "k_norm", "key_cache", "value_cache")),
+        ("sliding_window", _I64)]
 
 
 # Mirrors decoder_cpu.c's pagellm_decoder; the function pointers are addresses in the other kernels' libraries.
@@ -72,7 +73,8 @@ def _address(function) -> int:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's kernels and float tensors (biases, norms: None when the model has none)."""
+    """One decoder layer's kernels and float tensors (biases, norms: None when the model has none), and its
+    attention's sliding window (None: the whole sequence)."""
     qkv: linear.PackedMatmul
     o: linear.PackedMatmul
     gate_up: linear.PackedMatmul
@@ -85,6 +87,7 @@ class LayerWeights:
     down_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    sliding_window: int | None = None
 
 
 class FusedDecoder:
@@ -102,6 +105,7 @@ class FusedDecoder:
                          "k_norm"):
                 tensor = getattr(w, name)
                 setattr(struct, name, None if tensor is None else tensor.data_ptr())
+            struct.sliding_window = w.sliding_window or 0
         lib_linear, lib_elementwise, lib_attention = linear.loaded(), elementwise.loaded(), paged_attention.loaded()
         self._decoder = _Decoder(
             _address(lib_linear.pagellm_matmul), _address(lib_elementwise.rms_norm_f32),

@@ -4,8 +4,8 @@
  * in arithmetic. This file strings the existing kernels together (packed-weight matmul, RMSNorm, RoPE, cache write,
  * paged decode attention, SiLU-and-multiply; reached through the function pointers in `pagellm_decoder`, so each
  * stays in its own library) in exactly the order of the PyTorch model (models/llama.py), with the same variants:
- * biases on any projection (Qwen2), per-head RMSNorm of queries and keys (Qwen3). Every token of the batch is one
- * decoding sequence (no prefill chunks).
+ * biases on any projection (Qwen2), per-head RMSNorm of queries and keys (Qwen3), a sliding window per layer
+ * (Mistral). Every token of the batch is one decoding sequence (no prefill chunks).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,14 +23,15 @@ typedef void (*cache_fn)(const float *k, const float *v, int64_t k_stride, int64
 typedef int (*attention_fn)(const float *query, const void *key_cache, const void *value_cache,
                             const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                            int64_t block_size, int64_t max_blocks, float scale, int kv_type, int64_t partition_tokens,
-                            int nthreads);
+                            int64_t block_size, int64_t max_blocks, float scale, int kv_type, int64_t sliding_window,
+                            int64_t partition_tokens, int nthreads);
 
 typedef struct {
     const void *qkv, *o, *gate_up, *down;                      /* pagellm_matrix descriptors */
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL when absent */
     const float *input_norm, *post_norm, *q_norm, *k_norm;     /* q_norm, k_norm: NULL unless Qwen3 */
     void *key_cache, *value_cache; /* [kv_heads, num_blocks, block_size, D] of the decoder's kv_type */
+    int64_t sliding_window;        /* this layer's: a query sees the last n tokens; 0: all of them */
 } pagellm_decoder_layer;
 
 typedef struct {
@@ -85,7 +86,7 @@ int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, 
         for (int64_t t = 0; t < m; t++) memcpy(query + t * q_size, wide + t * qkv_size, sizeof(float) * (size_t)q_size);
         if (d->attention(query, layer->key_cache, layer->value_cache, block_tables, seq_lens, mid, m, d->heads,
                          d->kv_heads, d->head_dim, d->num_blocks, d->block_size, max_blocks, d->scale, (int)d->kv_type,
-                         0, nthreads)) {
+                         layer->sliding_window, 0, nthreads)) {
             status = -1;
             break;
         }

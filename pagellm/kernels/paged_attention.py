@@ -29,9 +29,9 @@ SIGNATURES: dict[str, Signature] = {
     #                            const int64_t *block_tables, const int64_t *seq_lens, float *out, int64_t batch,
     #                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
     #                            int64_t block_size, int64_t max_blocks, float scale, int kv_type,
-    #                            int64_t requested_partition_tokens, int nthreads);
+    #                            int64_t sliding_window, int64_t requested_partition_tokens, int nthreads);
     "paged_decode_attention": (_INT, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                                      _F32, _INT, _I64, _INT]),
+                                      _F32, _INT, _I64, _I64, _INT]),
     # void reshape_and_cache(const float *k, const float *v, int64_t k_stride, int64_t v_stride, const int64_t *slots,
     #                        int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots,
     #                        void *key_cache, void *value_cache, int kv_type);
@@ -68,9 +68,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           partition_tokens: int = 0) -> torch.Tensor:
+                           sliding_window: int | None = None, partition_tokens: int = 0) -> torch.Tensor:
     """query [B, H, D] float32; caches [Hkv, num_blocks, block_size, D] of a `KV_TYPES` dtype; block_tables
     [B, max_blocks] int64; seq_lens [B] int64 (including the query token). Returns [B, H, D] float32.
+    `sliding_window`: each query sees only the last that many tokens of its sequence (None: all of them).
     `partition_tokens` splits sequences into partitions of that many tokens (rounded up to whole blocks); 0 lets
     the kernel split only when there are too few (sequence, kv head) pairs for the threads."""
     library = loaded()
@@ -82,7 +83,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     status = library.paged_decode_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, num_blocks, block_size,
-        block_tables.shape[1], scale, KV_TYPES[key_cache.dtype], partition_tokens, torch.get_num_threads())
+        block_tables.shape[1], scale, KV_TYPES[key_cache.dtype], sliding_window or 0, partition_tokens,
+        torch.get_num_threads())
     if status != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch buffers")
     return out

@@ -2,16 +2,17 @@
  * 8-bit float (e4m3, e5m2) cache (`--kv-cache-dtype`), and the cache write that rounds new keys and values to the
  * cache's type.
  *
- * One query token per sequence. A unit of work is (sequence, kv head, partition of the sequence's tokens): it reads
- * each cached key of its partition once, in place, through the block table (no gathered copy), scores the query
- * heads of the group, and accumulates exp(score - max) * value, keeping the max and the sum of the exponentials.
- * Sequences are split into partitions only when there are too few (sequence, kv head) pairs to keep every thread
- * busy (one conversation, few kv heads); a second pass then merges each head's partitions (flash-decoding).
- * Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over OpenMP threads (the process's libgomp,
- * shared with PyTorch). With AVX2 the heads of a group go in tiles of up to three: each key row and each value row
- * is loaded (and widened) once per tile, and the tile's dot products and value sums stay in registers; otherwise the
- * loops are left to the compiler's vectoriser. Each cache type gets its own copy of the inner loops: `attend_f32` and
- * friends call one always-inlined body with a constant type.
+ * One query token per sequence. It sees the sequence's tokens, or with a sliding window of n (the layer's) its last
+ * n: blocks wholly before the window are never read, so a long sequence costs the window's length. A unit of work is
+ * (sequence, kv head, partition of the tokens it sees): it reads each cached key of its partition once, in place,
+ * through the block table (no gathered copy), scores the query heads of the group, and accumulates exp(score - max) *
+ * value, keeping the max and the sum of the exponentials. Sequences are split into partitions only when there are too
+ * few (sequence, kv head) pairs to keep every thread busy (one conversation, few kv heads); a second pass then merges
+ * each head's partitions (flash-decoding). Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over
+ * OpenMP threads (the process's libgomp, shared with PyTorch). With AVX2 the heads of a group go in tiles of up to
+ * three: each key row and each value row is loaded (and widened) once per tile, and the tile's dot products and value
+ * sums stay in registers; otherwise the loops are left to the compiler's vectoriser. Each cache type gets its own copy
+ * of the inner loops: `attend_f32` and friends call one always-inlined body with a constant type.
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,12 +91,13 @@ ALWAYS_INLINE void key_tile(const float *q, const void *keys, const void *values
                             int64_t end, float *s, int64_t len, int64_t head_dim, int64_t block_size, float scale,
                             int kind, const int heads) {
     const size_t row_bytes = (size_t)head_dim * kv_size(kind);
-    for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
-        const char *k = block_rows(keys, table, blk, block_size, head_dim, kind);
+    for (int64_t blk = begin / block_size, t0 = blk * block_size; t0 < end; blk++, t0 += block_size) {
+        const int64_t i0 = t0 < begin ? begin - t0 : 0; /* a sliding window may open inside the first block */
+        const char *k = block_rows(keys, table, blk, block_size, head_dim, kind) + i0 * row_bytes;
         const char *next = next_block(keys, table, blk, end, block_size, head_dim, kind);
         const char *v = values ? block_rows(values, table, blk, block_size, head_dim, kind) : NULL;
         const int64_t n = end - t0 < block_size ? end - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, k += row_bytes) {
+        for (int64_t i = i0; i < n; i++, k += row_bytes) {
             prefetch_row(next, i, row_bytes);
             if (v != NULL)
                 for (size_t offset = 0; offset < row_bytes; offset += 64)
@@ -123,7 +125,7 @@ ALWAYS_INLINE void key_tile(const float *q, const void *keys, const void *values
 }
 
 /* o[g][0..head_dim) = sum_t p[g][t - begin] * v_t for `heads` heads of a group (their p rows `len` apart, their o
- * rows head_dim apart) over tokens [begin, end), begin a multiple of block_size. 32 columns at a time: each value
+ * rows head_dim apart) over tokens [begin, end). 32 columns at a time: each value
  * row's slice is loaded (and widened) once for every head, and the 4 x `heads` sums stay in registers. */
 #if VECTOR_KV
 ALWAYS_INLINE void value_tile(const float *p, int64_t len, const void *values, const int64_t *table, int64_t begin,
@@ -133,11 +135,12 @@ ALWAYS_INLINE void value_tile(const float *p, int64_t len, const void *values, c
         __m256 acc[3][4];
         for (int g = 0; g < heads; g++)
             for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
-        for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
-            const char *v = block_rows(values, table, blk, block_size, head_dim, kind);
+        for (int64_t blk = begin / block_size, t0 = blk * block_size; t0 < end; blk++, t0 += block_size) {
+            const int64_t i0 = t0 < begin ? begin - t0 : 0;
+            const char *v = block_rows(values, table, blk, block_size, head_dim, kind) + i0 * row_bytes;
             const char *next = c == 0 ? next_block(values, table, blk, end, block_size, head_dim, kind) : NULL;
             const int64_t n = end - t0 < block_size ? end - t0 : block_size;
-            for (int64_t i = 0; i < n; i++, v += row_bytes) {
+            for (int64_t i = i0; i < n; i++, v += row_bytes) {
                 prefetch_row(next, i, row_bytes);
                 __m256 x[4];
                 for (int j = 0; j < 4; j++) x[j] = load8(v, c + 8 * j, kind);
@@ -172,10 +175,11 @@ ALWAYS_INLINE void weighted_values(const float *p, int64_t len, const void *valu
 #endif
     const size_t row_bytes = (size_t)head_dim * kv_size(kind);
     memset(o, 0, sizeof(float) * (size_t)(group * head_dim));
-    for (int64_t blk = begin / block_size, t0 = begin; t0 < end; blk++, t0 += block_size) {
-        const char *v = block_rows(values, table, blk, block_size, head_dim, kind);
+    for (int64_t blk = begin / block_size, t0 = blk * block_size; t0 < end; blk++, t0 += block_size) {
+        const int64_t i0 = t0 < begin ? begin - t0 : 0;
+        const char *v = block_rows(values, table, blk, block_size, head_dim, kind) + i0 * row_bytes;
         const int64_t n = end - t0 < block_size ? end - t0 : block_size;
-        for (int64_t i = 0; i < n; i++, v += row_bytes)
+        for (int64_t i = i0; i < n; i++, v += row_bytes)
             for (int64_t g = 0; g < group; g++) {
                 const float w = p[g * len + t0 - begin + i];
                 float *og = o + g * head_dim;
@@ -229,6 +233,17 @@ ATTEND_FOR(attend_bf16, KV_BF16)
 ATTEND_FOR(attend_e4m3, KV_E4M3)
 ATTEND_FOR(attend_e5m2, KV_E5M2)
 
+/* The first token a sequence's query sees: with a sliding window of n, the query at position seq_len - 1 sees keys
+ * k with seq_len - 1 - n < k (transformers' sliding_window_overlay). */
+static inline int64_t first_in_window(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+/* The start of the block holding that token: where a sequence's partitions begin. */
+static inline int64_t window_origin(int64_t seq_len, int64_t window, int64_t block_size) {
+    return first_in_window(seq_len, window) / block_size * block_size;
+}
+
 /* Tokens per partition, in whole blocks: `requested` if positive, else at least 256 tokens (so a unit's fixed costs
  * stay small), splitting sequences only until there are about four units per thread. */
 static int64_t partition_tokens(int64_t requested, int64_t pairs, int64_t longest, int64_t block_size, int nthreads) {
@@ -249,14 +264,19 @@ int paged_decode_attention(const float *query,          /* [B, H, D] */
                            float *out,                  /* [B, H, D] */
                            int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
                            int64_t block_size, int64_t max_blocks, float scale, int kv_type,
+                           int64_t sliding_window,             /* 0: every token; else the query sees the last n */
                            int64_t requested_partition_tokens, /* 0: chosen from the batch and the threads */
                            int nthreads) {
     static const attend_fn by_type[] = {attend_f32, attend_f16, attend_bf16, attend_e4m3, attend_e5m2};
     const attend_fn attend_unit = by_type[kv_type];
     const int64_t group = num_heads / num_kv_heads, pairs = batch * num_kv_heads;
     const size_t head_bytes = (size_t)(num_blocks * block_size * head_dim) * kv_size(kv_type);
+    /* Partitions are counted from the block holding the first token in the window: blocks before it are never read. */
     int64_t longest = 1;
-    for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t span = seq_lens[b] - window_origin(seq_lens[b], sliding_window, block_size);
+        longest = span > longest ? span : longest;
+    }
     const int64_t part_tokens = partition_tokens(requested_partition_tokens, pairs, longest, block_size, nthreads);
     const int64_t parts = (longest + part_tokens - 1) / part_tokens;
     /* With one partition a unit accumulates straight into `out`; otherwise into its own slice of `partial`. */
@@ -276,8 +296,11 @@ int paged_decode_attention(const float *query,          /* [B, H, D] */
         for (int64_t unit = 0; unit < pairs * parts; unit++) {
             if (failed) continue;
             const int64_t pair = unit / parts, part = unit % parts, b = pair / num_kv_heads, kvh = pair % num_kv_heads;
-            const int64_t begin = part * part_tokens;
-            const int64_t end = seq_lens[b] < begin + part_tokens ? seq_lens[b] : begin + part_tokens;
+            const int64_t origin = window_origin(seq_lens[b], sliding_window, block_size);
+            const int64_t first = first_in_window(seq_lens[b], sliding_window);
+            const int64_t start = origin + part * part_tokens;
+            const int64_t end = seq_lens[b] < start + part_tokens ? seq_lens[b] : start + part_tokens;
+            const int64_t begin = start > first ? start : first;
             float *unit_stats = stats + unit * group * 2;
             if (begin >= end) { /* a short sequence's empty partition: weight 0 in the merge */
                 for (int64_t g = 0; g < group; g++) unit_stats[2 * g] = -INFINITY, unit_stats[2 * g + 1] = 0.0f;

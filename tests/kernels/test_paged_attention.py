@@ -189,7 +189,7 @@ def test_c_decode_over_narrow_caches_and_partitions(kv_dtype, heads, kv_heads, h
     meta = decode_metadata(tables, seq_lens)
     out = cpu_kernels.paged_decode_attention(q, cache[0].to(kv_dtype), cache[1].to(kv_dtype),
                                              meta.decode_block_tables, meta.decode_seq_lens, head_dim ** -0.5,
-                                             partition_tokens)
+                                             partition_tokens=partition_tokens)
     for i, (k, v) in enumerate(contiguous):
         expected = reference_attention(q[i:i + 1], rounded(k, kv_dtype), rounded(v, kv_dtype), head_dim ** -0.5)
         torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
@@ -314,9 +314,9 @@ def prefill_batch(block_tables, query_lens, context_lens, device) -> PrefillBatc
     return PrefillBatch(*(tensors[h] for h in handles))
 
 
-def triton_prefill(q_chunks, cache, tables, context_lens, scale):
+def triton_prefill(q_chunks, cache, tables, context_lens, scale, window=None):
     """The Triton prefill kernel on this machine's device over chunks of queries (chunk i's first query at position
-    context_lens[i]), with the metadata of a PrefillBatch."""
+    context_lens[i]), with the metadata of a PrefillBatch, within a sliding `window` if given."""
     query_lens = np.array([len(q) for q in q_chunks])
     max_blocks = max(len(t) for t in tables)
     table = np.array([t + [0] * (max_blocks - len(t)) for t in tables])
@@ -324,7 +324,7 @@ def triton_prefill(q_chunks, cache, tables, context_lens, scale):
     return triton_attention.paged_prefill_attention(
         torch.cat(q_chunks).to(DEVICE), cache[0].to(DEVICE), cache[1].to(DEVICE), batch.block_tables,
         batch.query_starts, batch.query_lens, batch.context_lens, batch.tile_chunks, batch.tile_starts, scale,
-        PREFILL_BLOCK_M).cpu()
+        PREFILL_BLOCK_M, window).cpu()
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 32, 16), (6, 3, 80, 4), (2, 2, 16, 1)])

@@ -5,6 +5,10 @@ write K/V into the cache, attend over the flat batch), the base `AttentionMetada
 host-side `PrefillLayout` the model runner hands a backend to build it from. The flat batch is laid out decodes
 first (one query token each), then prefill chunks; `forward` splits it the same way for every backend, so a backend
 supplies only its cache write, its batched decode and its prefill.
+
+Each call carries the layer's sliding window (`window`, None: the whole sequence): with a window of n a query at
+position q sees the keys at positions q - n < k <= q, as transformers' sliding-window mask has it. Every layer keeps
+all its blocks; a backend only skips reading those wholly before a query's window.
 """
 from __future__ import annotations
 
@@ -105,26 +109,27 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None) -> torch.Tensor:
         """The decodes' attention: q [num_decodes, H, D] -> [num_decodes, H, D], reading the cache through
-        `meta.decode_block_tables`."""
+        `meta.decode_block_tables`, each query seeing the last `window` tokens of its sequence (None: all)."""
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: int | None = None) -> None:
         """The prefill chunks' attention into their rows of `out` (q, k, v and out are the whole flat batch; the
-        chunks' own K/V are already in the cache)."""
+        chunks' own K/V are already in the cache), causal within `window` (None: causal only)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]. Returns [T, H * D]."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         if not meta.prefills:  # all decodes: the batched call's output is the whole output
-            return self.decode(q, key_cache, value_cache, meta, scale).view(q.shape[0], -1)
+            return self.decode(q, key_cache, value_cache, meta, scale, window).view(q.shape[0], -1)
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
-            out[:n] = self.decode(q[:n], key_cache, value_cache, meta, scale)
-        self.prefill(q, k, v, key_cache, value_cache, meta, scale, out)
+            out[:n] = self.decode(q[:n], key_cache, value_cache, meta, scale, window)
+        self.prefill(q, k, v, key_cache, value_cache, meta, scale, out, window)
         return out.view(q.shape[0], q.shape[1] * q.shape[2])

@@ -31,8 +31,9 @@ class CBackend(TorchBackend):
             reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None) -> torch.Tensor:
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         assert tables is not None and lens is not None, "metadata with decodes has their tables"
-        # The kernel reads the cache in place: no gathered copy of every sequence's K/V per layer.
-        return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale)
+        # The kernel reads the cache in place (no gathered copy of every sequence's K/V per layer), and only the
+        # blocks that hold a query's window.
+        return cpu_kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, window)

@@ -1,7 +1,8 @@
 """The PyTorch attention backend: the reference every device runs, and the prefill path the C backend shares.
 
 Owns the PyTorch cache write (`reshape_and_cache`), the batched decode over `index_select`-gathered blocks masked to
-each sequence's length, and the per-chunk prefill through `scaled_dot_product_attention`. It runs where no kernel
+each sequence's length (and the layer's sliding window), and the per-chunk prefill through
+`scaled_dot_product_attention`. It runs where no kernel
 does (other dtypes on the CPU, no compiler, no Triton) and when PAGELLM_ATTENTION_BACKEND=torch forces it.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ class TorchBackend(AttentionBackend):
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None) -> torch.Tensor:
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         assert tables is not None and lens is not None, "metadata with decodes has their tables"
         batch, num_heads, head_dim = q.shape
@@ -35,38 +36,52 @@ class TorchBackend(AttentionBackend):
         values = gather_blocks(value_cache, tables).to(q.dtype)
         q = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, B, G, D]
         scores = torch.matmul(q, keys.transpose(2, 3)).float() * scale  # [Hkv, B, G, L]
-        padding = torch.arange(keys.shape[2], device=q.device) >= lens[:, None]  # [B, L]
-        scores.masked_fill_(padding[None, :, None, :], float("-inf"))
+        positions = torch.arange(keys.shape[2], device=q.device)
+        hidden = positions >= lens[:, None]  # [B, L]: padding past each sequence's end
+        if window is not None:  # the query, at position len - 1, sees keys after len - 1 - window
+            hidden |= positions < lens[:, None] - window
+        scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, values).transpose(0, 1).reshape(batch, num_heads, head_dim)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: int | None = None) -> None:
         # One SDPA call per chunk: no padding of the token dimension to batch them.
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = prefill_chunk(q[rows], k[rows], v[rows], key_cache, value_cache, chunk, scale)
+            out[rows] = prefill_chunk(q[rows], k[rows], v[rows], key_cache, value_cache, chunk, scale, window)
 
 
 def prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    """One chunk's causal attention to its own tokens and the earlier ones in the cache: q [Lq, H, D], k, v
-    [Lq, Hkv, D] -> [Lq, H, D]."""
+                  value_cache: torch.Tensor, chunk: PrefillChunk, scale: float,
+                  window: int | None = None) -> torch.Tensor:
+    """One chunk's causal attention to its own tokens and the earlier ones in the cache, each query within the last
+    `window` tokens (None: all): q [Lq, H, D], k, v [Lq, Hkv, D] -> [Lq, H, D]."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     q = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+    first = 0  # position of the first key read
     if chunk.context_len == 0:
         # The whole sequence is in this chunk: attend to the fresh K/V, no cache read needed.
-        keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
     else:
         assert chunk.block_ids is not None, "a chunk behind cached context reads its blocks"
-        keys = gather_blocks(key_cache, chunk.block_ids)[:, :chunk.seq_len].to(q.dtype)
-        values = gather_blocks(value_cache, chunk.block_ids)[:, :chunk.seq_len].to(q.dtype)
-        key_pos = torch.arange(chunk.seq_len, device=q.device)
-        query_pos = torch.arange(chunk.context_len, chunk.seq_len, device=q.device)
-        mask, causal = key_pos[None, :] <= query_pos[:, None], False
+        block_size = key_cache.shape[2]
+        if window is not None:  # blocks wholly before the first query's window are not read
+            first = max(0, chunk.context_len - window + 1) // block_size * block_size
+        block_ids = chunk.block_ids[first // block_size:]
+        keys = gather_blocks(key_cache, block_ids)[:, :chunk.seq_len - first].to(q.dtype)
+        values = gather_blocks(value_cache, block_ids)[:, :chunk.seq_len - first].to(q.dtype)
+    mask = None
+    if chunk.context_len or window is not None:
+        key_pos = torch.arange(first, chunk.seq_len, device=q.device)
+        query_pos = torch.arange(chunk.context_len, chunk.seq_len, device=q.device)[:, None]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
     out = F.scaled_dot_product_attention(
         q, keys.unsqueeze(0), values.unsqueeze(0),
-        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out.squeeze(0).transpose(0, 1)
 
 

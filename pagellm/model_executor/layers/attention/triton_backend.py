@@ -88,22 +88,23 @@ class TritonBackend(TorchBackend):
                                        PrefillBatch(*prefill_tensors) if prefill_tensors else None)
 
     def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None) -> torch.Tensor:
         from pagellm.kernels import triton_attention
 
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         assert tables is not None and lens is not None, "metadata with decodes has their tables"
-        return triton_attention.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale)
+        return triton_attention.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, window)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                window: int | None = None) -> None:
         batch = meta.prefill_batch if isinstance(meta, TritonAttentionMetadata) else None
         if batch is None:  # metadata built without the batch (by hand, in tests): one SDPA call per chunk
-            super().prefill(q, k, v, key_cache, value_cache, meta, scale, out)
+            super().prefill(q, k, v, key_cache, value_cache, meta, scale, out, window)
             return
         from pagellm.kernels import triton_attention
 
         n = meta.num_decodes
         out[n:] = triton_attention.paged_prefill_attention(
             q[n:], key_cache, value_cache, batch.block_tables, batch.query_starts, batch.query_lens,
-            batch.context_lens, batch.tile_chunks, batch.tile_starts, scale, PREFILL_BLOCK_M)
+            batch.context_lens, batch.tile_chunks, batch.tile_starts, scale, PREFILL_BLOCK_M, window)
