@@ -35,6 +35,10 @@ TINY_CONFIGS = {
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   tie_word_embeddings=True),
+    # A sliding window far shorter than the 1024 positions: long prompts see only their last 16 tokens per layer.
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                    sliding_window=16),
 }
 
 

@@ -21,7 +21,13 @@ from test_paged_attention import (
 from pagellm.kernels import paged_attention as cpu_kernels
 from pagellm.kernels import triton_attention
 from pagellm.model_executor.layers import attention as attention_layer
-from pagellm.model_executor.layers.attention import BACKENDS, Attention, AttentionMetadata, PrefillChunk
+from pagellm.model_executor.layers.attention import (
+    BACKENDS,
+    Attention,
+    AttentionMetadata,
+    PrefillChunk,
+    layer_sliding_window,
+)
 
 
 def windowed_reference(q, keys, values, scale, first_position, window):
@@ -173,3 +179,18 @@ def test_mixed_batch_within_the_window(window, kv_dtype, backend, monkeypatch):
 def test_a_window_must_be_positive():
     with pytest.raises(ValueError, match="sliding_window must be a positive number of tokens, got 0"):
         Attention(4, 2, 16, sliding_window=0)
+
+
+@pytest.mark.parametrize("model_type,fields,windows", [
+    ("mistral", dict(sliding_window=16), [16, 16, 16, 16]),
+    ("mistral", dict(sliding_window=None), [None] * 4),  # Mistral v0.2 on: no window
+    ("qwen2", dict(sliding_window=16), [None] * 4),  # use_sliding_window is false by default
+    ("qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=2), [None, None, 16, 16]),
+    ("qwen3", dict(sliding_window=16), [None] * 4),
+    ("llama", dict(), [None] * 4),
+])
+def test_each_layer_gets_the_window_transformers_gives_it(model_type, fields, windows):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=4, **fields)
+    assert [layer_sliding_window(config, i) for i in range(4)] == windows

@@ -17,7 +17,7 @@ from pagellm.model_executor.layers.attention.backend import (
     PrefillChunk,
     PrefillLayout,
 )
-from pagellm.model_executor.layers.attention.layer import Attention
+from pagellm.model_executor.layers.attention.layer import Attention, layer_sliding_window
 from pagellm.model_executor.layers.attention.selector import (
     BACKENDS,
     attention_backend,
@@ -43,6 +43,7 @@ __all__ = [
     "TritonAttentionMetadata",
     "attention_backend",
     "check_kv_cache_dtype",
+    "layer_sliding_window",
     "reshape_and_cache",
     "select_backend",
 ]

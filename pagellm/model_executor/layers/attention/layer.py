@@ -1,6 +1,7 @@
 """The `Attention` layer the models hold: the shapes of one attention and the call into the selected backend.
 
-It owns nothing backend-specific: which kernels run, and what metadata they read, belong to the backend
+It also reads a layer's sliding window from a model config (`layer_sliding_window`). It owns nothing
+backend-specific: which kernels run, and what metadata they read, belong to the backend
 `select_backend` picks for the queries' device and dtype (the same one the model runner built the metadata with).
 """
 from __future__ import annotations
@@ -10,6 +11,17 @@ from torch import nn
 
 from pagellm.model_executor.layers.attention.backend import AttentionMetadata
 from pagellm.model_executor.layers.attention.selector import select_backend
+
+
+def layer_sliding_window(config, index: int) -> int | None:
+    """Layer `index`'s sliding window as transformers reads a config: `sliding_window` on the layers whose
+    `layer_types` entry is "sliding_attention" (Gemma 3, Qwen2 past max_window_layers), or on every layer when the
+    config lists no types (Mistral); None where it has none or `use_sliding_window` is false (Qwen2, Qwen3)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    return window if layer_types is None or layer_types[index] == "sliding_attention" else None
 
 
 class Attention(nn.Module):
