@@ -12,7 +12,7 @@ import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagellm.entrypoints.openai.protocol_base import OpenAIBaseModel
@@ -95,7 +95,6 @@ class SamplingRequest(RequestModel):
            for name, replacement in REMOVED_GUIDED_FIELDS.items()},
         "logits_processors": "custom logits processors are not supported",
         "allowed_token_ids": "allowed_token_ids is not implemented; use logit_bias",
-        "prompt_logprobs": "prompt logprobs are not available over HTTP yet",
         "use_beam_search": "beam search is served on /v1/completions only",
         "length_penalty": "beam search is served on /v1/completions only",
         "return_tokens_as_token_ids": "return_tokens_as_token_ids is not implemented",
@@ -129,6 +128,9 @@ class SamplingRequest(RequestModel):
     spaces_between_special_tokens: bool = True
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None
     truncate_prompt_tokens: PositiveInt64 | None = None
+    # vLLM's: per prompt token after the first, its logprob and the k most likely tokens (bounded by --max-logprobs
+    # in the engine); not in streams, as vLLM.
+    prompt_logprobs: NonNegativeInt64 | None = None
     priority: Int64 = 0  # lower runs first; non-zero only with --scheduling-policy priority
     cache_salt: str | None = None  # prompts share cached prefix blocks only with prompts of the same salt
     # Constraints on the output: OpenAI's response_format, or vLLM's structured_outputs (not both).
@@ -146,6 +148,13 @@ class SamplingRequest(RequestModel):
                                               {"field": name, "reason": reason})
         return data
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self) -> SamplingRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise PydanticCustomError("invalid_field", "{field} is not available when stream is true",
+                                      {"field": "prompt_logprobs"})
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -160,9 +169,11 @@ class SamplingRequest(RequestModel):
         return self.response_format.to_params() if self.response_format is not None else None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                           structured_outputs: StructuredOutputsParams | None = None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises InvalidRequestError naming the field when a value is out of range. `structured_outputs`: a
-        constraint of the caller's (tool calls) instead of the request's own."""
+        constraint of the caller's (tool calls) instead of the request's own; `prompt_logprobs`: the engine's
+        count when the caller needs more than the request's own (echo)."""
         return SamplingParams(
             n=self.n, temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p, top_k=self.top_k, max_tokens=max_tokens,
@@ -173,6 +184,7 @@ class SamplingRequest(RequestModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
             logit_bias=self.logit_bias, bad_words=self.bad_words, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             structured_outputs=structured_outputs or self.structured_output_params())
 
@@ -184,21 +196,23 @@ BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (), "repetition_penalty": (), "seed": (), "logit_bias": ({},), "min_tokens": (),
     "stop": ([],), "stop_token_ids": ([],), "include_stop_str_in_output": (), "bad_words": ([],),
     "truncate_prompt_tokens": (), "priority": (), "response_format": (), "structured_outputs": (), "logprobs": (),
-    "skip_special_tokens": (), "spaces_between_special_tokens": ()}
+    "skip_special_tokens": (), "spaces_between_special_tokens": (), "echo": (), "prompt_logprobs": ()}
 
 
 class CompletionRequest(SamplingRequest):
     unsupported_fields: ClassVar[dict[str, str]] = {
         **{name: reason for name, reason in SamplingRequest.unsupported_fields.items()
            if name not in ("use_beam_search", "length_penalty")},
-        "echo": "echoing the prompt is not implemented",
         "suffix": "insertion (suffix) is not implemented",
     }
 
     prompt: (list[int] | Annotated[list[list[int]], Field(max_length=MAX_BATCH_PROMPTS)] | str
              | Annotated[list[str], Field(max_length=MAX_BATCH_PROMPTS)])
-    max_tokens: PositiveInt64 | None = 16
+    max_tokens: NonNegativeInt64 | None = 16  # 0 only with echo: score the prompt, generate nothing (as vLLM)
     logprobs: NonNegativeInt64 | None = None
+    # The prompt comes first in each choice's text and, with logprobs, its tokens first in the logprobs (the first
+    # token's logprob null): what evaluation harnesses (lm-eval's local-completions) score prompts with.
+    echo: bool = False
     best_of: PositiveInt64 | None = None
     add_special_tokens: bool = True  # vLLM's: add the tokenizer's special tokens (BOS) to text prompts
     # vLLM's beam search: `n` beams (the beam width), ranked by cum_logprob / length ** length_penalty.
@@ -211,6 +225,9 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise PydanticCustomError("unsupported_field", "{field} is not supported: only best_of == n",
                                       {"field": "best_of"})
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("invalid_field", "{field} must be at least 1 (0 only with echo)",
+                                      {"field": "max_tokens"})
         if self.length_penalty != 1.0 and not self.use_beam_search:
             raise PydanticCustomError("unsupported_field", "{field} applies only with use_beam_search",
                                       {"field": "length_penalty"})
@@ -221,6 +238,19 @@ class CompletionRequest(SamplingRequest):
                     raise PydanticCustomError("unsupported_field", "{field} is not supported with use_beam_search "
                                               "(beams are ranked by their logprobs alone)", {"field": name})
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the response holds the prompt alone (the engine still samples one token)."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_sampling_params(self) -> SamplingParams:
+        """With echo and logprobs, the prompt tokens need as many top logprobs as the generated ones."""
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self.to_sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs,
+                                       prompt_logprobs=prompt_logprobs)
 
     def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
@@ -348,12 +378,25 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob: one candidate token at a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then per token id (a JSON key) its candidate.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -400,6 +443,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: of the rendered prompt, for the whole response
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -459,6 +503,13 @@ class TokenizeResponse(OpenAIBaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+
+
+class TokenizerInfoResponse(OpenAIBaseModel):
+    """vLLM's /tokenizer_info: the tokenizer's configuration (its special tokens, chat template, ...) as fields."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
 
 
 class DetokenizeRequest(RequestModel):

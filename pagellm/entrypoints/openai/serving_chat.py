@@ -1,11 +1,13 @@
 """POST /v1/chat/completions: messages (and tools) -> the chat template -> a chat completion or an SSE stream of
-deltas, with OpenAI's chat logprobs shape and tool calls (see tool_calls.py)."""
+deltas, with OpenAI's chat logprobs shape, tool calls (see tool_calls.py) and vLLM's `prompt_logprobs` (of the
+rendered prompt; not in streams)."""
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncGenerator
 
+from pagellm.entrypoints.openai.completion_logprobs import LOGPROB_FLOOR, prompt_logprobs_response
 from pagellm.entrypoints.openai.errors import sse_error
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
@@ -19,7 +21,6 @@ from pagellm.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
 )
-from pagellm.entrypoints.openai.serving_completion import LOGPROB_FLOOR
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing, accumulate, chain_first, usage
 from pagellm.entrypoints.openai.tool_calls import ToolCallStreamer, extract_tool_calls, tool_call_constraint, tool_mode
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -81,12 +82,16 @@ class OpenAIServingChat(OpenAIServing):
                     outputs: AsyncGenerator[tuple[int, RequestOutput], None]) -> ChatCompletionResponse:
         choices: dict[int, CompletionOutput] = {}
         latest: dict[int, RequestOutput] = {}
+        prompt_logprobs = None  # they come with the first output
         async for _, output in outputs:
             latest[0] = output
+            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             accumulate(choices, 0, output)
         return ChatCompletionResponse(
             id=request_id, model=model, choices=[self._choice(request, mode, i, choices[i]) for i in sorted(choices)],
-            usage=usage(latest, sum(len(c.token_ids) for c in choices.values())))
+            usage=usage(latest, sum(len(c.token_ids) for c in choices.values())),
+            prompt_logprobs=prompt_logprobs_response(latest[0].prompt_token_ids, prompt_logprobs,
+                                                     request.prompt_logprobs))
 
     async def _stream(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,
                       first: tuple[int, RequestOutput],

@@ -1,16 +1,19 @@
 """POST /v1/completions: prompts (text or token ids, one or a batch) -> a completion response or an SSE stream,
-with OpenAI's legacy logprobs shape. With `use_beam_search` (vLLM's), each prompt's `n` choices are the beams of
-the engine's beam search (AsyncLLM.beam_search, the one LLM.beam_search runs), best first, sent when it ends."""
+with OpenAI's legacy logprobs shape, the prompt echoed before each choice with `echo` (its tokens' logprobs too,
+as evaluation harnesses score prompts) and vLLM's `prompt_logprobs`. With `use_beam_search` (vLLM's), each
+prompt's `n` choices are the beams of the engine's beam search (AsyncLLM.beam_search, the one LLM.beam_search
+runs), best first, sent when it ends."""
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import cast
 
+from pagellm.entrypoints.openai.completion_logprobs import completion_logprobs, prompt_logprobs_response
 from pagellm.entrypoints.openai.errors import OpenAIServingError, sse_error
 from pagellm.entrypoints.openai.protocol import (
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
@@ -25,34 +28,25 @@ from pagellm.entrypoints.openai.serving_engine import (
 )
 from pagellm.entrypoints.utils import merge_async_iterators
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
 
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+PromptLogprobsList = list[dict[int, Logprob] | None]
 
+@dataclass(frozen=True)
+class Echo:
+    """What echo puts before a prompt's choices: the prompt's text and token ids (as the engine runs them, after
+    truncate_prompt_tokens), and its first token's text (the one position without a logprob)."""
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
-                        text_offset: int) -> CompletionLogProbs:
-    """Per token: its text, logprob, the `num_top` most likely tokens (most likely first, plus the chosen one),
-    and where its text starts in the completion."""
-    result = CompletionLogProbs()
-    for token_id, step in zip(token_ids, logprobs):
-        chosen = step[token_id]
-        token = chosen.decoded_token or ""
-        ranked = sorted(step.items(), key=lambda item: -item[1].logprob)[:num_top]
-        if token_id not in dict(ranked):
-            ranked.append((token_id, chosen))
-        result.tokens.append(token)
-        result.token_logprobs.append(max(chosen.logprob, LOGPROB_FLOOR))
-        result.top_logprobs.append({lp.decoded_token or "": max(lp.logprob, LOGPROB_FLOOR) for _, lp in ranked})
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-    return result
+    text: str
+    token_ids: list[int]
+    first_token_text: str
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self,
                                 request: CompletionRequest) -> CompletionResponse | AsyncGenerator[str, None]:
         model = self.model_name(request.model)
-        params = request.to_sampling_params(request.max_tokens, request.logprobs)
+        params = request.completion_sampling_params()
         truncating = params.truncate_prompt_tokens is not None
         prompts = [await self._prompt(p, request.add_special_tokens, truncating) for p in self._batch(request.prompt)]
         for prompt in prompts:
@@ -63,9 +57,18 @@ class OpenAIServingCompletion(OpenAIServing):
             first, rest = await self._start_beam_search(prompts, request, request_id)
         else:
             first, rest = await self.start(prompts, params, request_id, request)
+        echoes = [await self._echo(prompt, params) for prompt in prompts] if request.echo else None
         if request.stream:
-            return self._stream(request, request_id, model, first, rest)
-        return await self._full(request, request_id, model, chain_first(first, rest))
+            return self._stream(request, request_id, model, first, rest, echoes)
+        return await self._full(request, request_id, model, chain_first(first, rest), echoes)
+
+    async def _echo(self, prompt: TokensPrompt, params: SamplingParams) -> Echo:
+        """A token-id or truncated prompt is echoed as its tokens' text (as vLLM)."""
+        token_ids = prompt["prompt_token_ids"][-self.num_prompt_tokens(prompt, params):]
+        text = prompt["prompt"]
+        if text is None or len(token_ids) < len(prompt["prompt_token_ids"]):
+            text = await self.tokenizer.decode(token_ids)
+        return Echo(text, token_ids, await self.tokenizer.decode(token_ids[:1]))
 
     async def _start_beam_search(self, prompts: list[TokensPrompt], request: CompletionRequest,
                                  request_id: str) -> tuple[IndexedOutput, AsyncGenerator[IndexedOutput, None]]:
@@ -108,41 +111,72 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIServingError("prompt must not be empty.", param="prompt")
         return {"prompt": None, "prompt_token_ids": list(prompt)}
 
-    def _choice(self, request: CompletionRequest, index: int, completion: CompletionOutput,
-                text_offset: int) -> CompletionResponseChoice:
-        logprobs = None
-        if request.logprobs is not None and completion.logprobs is not None:
-            logprobs = completion_logprobs(completion.token_ids, completion.logprobs, request.logprobs, text_offset)
-        return CompletionResponseChoice(index=index, text=completion.text, logprobs=logprobs,
-                                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+    @staticmethod
+    def _choice(request: CompletionRequest, index: int, completion: CompletionOutput, text_offset: int,
+                echo: Echo | None = None, prompt_logprobs: PromptLogprobsList | None = None,
+                prompt_ids: list[int] | None = None) -> CompletionResponseChoice:
+        """One choice, or one choice's delta; `echo` (the first delta of a choice, or a whole one) puts the prompt
+        and its logprobs (the engine's `prompt_logprobs`) before the completion."""
+        text, token_ids, logprobs = completion.text, completion.token_ids, completion.logprobs
+        if request.echo_only:
+            text, token_ids, logprobs = "", [], []
+        if echo is not None:
+            text, token_ids = echo.text + text, echo.token_ids + token_ids
+            if logprobs is not None:
+                logprobs = (prompt_logprobs or [None] * len(echo.token_ids)) + logprobs
+        legacy = None
+        if request.logprobs is not None and logprobs is not None:
+            legacy = completion_logprobs(token_ids, logprobs, request.logprobs, text_offset,
+                                         echo.first_token_text if echo is not None else "")
+        return CompletionResponseChoice(
+            index=index, text=text, logprobs=legacy, finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            prompt_logprobs=prompt_logprobs_response(prompt_ids or [], prompt_logprobs, request.prompt_logprobs))
 
     async def _full(self, request: CompletionRequest, request_id: str, model: str,
-                    outputs: AsyncGenerator[tuple[int, RequestOutput], None]) -> CompletionResponse:
+                    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+                    echoes: list[Echo] | None) -> CompletionResponse:
         choices: dict[int, CompletionOutput] = {}
         latest: dict[int, RequestOutput] = {}  # per prompt
+        prompt_logprobs: dict[int, PromptLogprobsList] = {}  # per prompt: they come with its first output
         async for prompt_index, output in outputs:
             latest[prompt_index] = output
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[prompt_index] = output.prompt_logprobs
             accumulate(choices, prompt_index * request.n, output)
-        return CompletionResponse(
-            id=request_id, model=model,
-            choices=[self._choice(request, i, choices[i], 0) for i in sorted(choices)],
-            usage=usage(latest, sum(len(c.token_ids) for c in choices.values())))
+
+        def choice(i: int) -> CompletionResponseChoice:
+            prompt_index = i // request.n
+            return self._choice(request, i, choices[i], 0, echoes[prompt_index] if echoes else None,
+                                prompt_logprobs.get(prompt_index), latest[prompt_index].prompt_token_ids)
+
+        completion_tokens = 0 if request.echo_only else sum(len(c.token_ids) for c in choices.values())
+        return CompletionResponse(id=request_id, model=model, choices=[choice(i) for i in sorted(choices)],
+                                  usage=usage(latest, completion_tokens))
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str, first: tuple[int, RequestOutput],
-                      rest: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
+                      rest: AsyncGenerator[tuple[int, RequestOutput], None],
+                      echoes: list[Echo] | None) -> AsyncGenerator[str, None]:
+        """As vLLM, each choice's first chunk holds the echoed prompt (and its logprobs) before its first text."""
         created = int(time.time())
         latest: dict[int, RequestOutput] = {}  # per prompt
+        prompt_logprobs: dict[int, PromptLogprobsList] = {}
         completion_tokens = 0
         text_offsets: dict[int, int] = {}
         try:
             async for prompt_index, output in chain_first(first, rest):
                 latest[prompt_index] = output
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[prompt_index] = output.prompt_logprobs
                 choices = []
                 for delta in output.outputs:
                     index = prompt_index * request.n + delta.index
-                    choices.append(self._choice(request, index, delta, text_offsets.get(index, 0)))
-                    text_offsets[index] = text_offsets.get(index, 0) + len(delta.text)
-                    completion_tokens += len(delta.token_ids)
+                    echo = echoes[prompt_index] if echoes and index not in text_offsets else None
+                    choice = self._choice(request, index, delta, text_offsets.get(index, 0), echo,
+                                          prompt_logprobs.get(prompt_index))
+                    choices.append(choice)
+                    text_offsets[index] = text_offsets.get(index, 0) + len(choice.text)
+                    completion_tokens += 0 if request.echo_only else len(delta.token_ids)
                 chunk = CompletionResponse(id=request_id, created=created, model=model, choices=choices)
                 yield f"data: {chunk.model_dump_json()}\n\n"
             if request.include_usage:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from pagellm.entrypoints.openai.routes import chat, completions, health, metrics, models, tokenization
+from pagellm.entrypoints.openai.routes import chat, completions, health, metrics, models, tokenization, tokenizer_info
 
 ROUTERS: tuple[APIRouter, ...] = (
     health.router,  # /health, /version
@@ -18,4 +18,5 @@ ROUTERS: tuple[APIRouter, ...] = (
     completions.router,  # /v1/completions
     chat.router,  # /v1/chat/completions
     tokenization.router,  # /tokenize, /detokenize
+    tokenizer_info.router,  # /tokenizer_info
 )
