@@ -152,6 +152,7 @@ COMMON_FIELDS = {
     "spaces_between_special_tokens": st.sampled_from(BOOLS),
     "bad_words": st.one_of(_string_lists(), st.sampled_from(WRONG_TYPES)),
     "truncate_prompt_tokens": st.sampled_from(NUMBERS),
+    "prompt_logprobs": st.sampled_from(NUMBERS + [5, 20, 21]),
     "priority": st.sampled_from(NUMBERS),
     "cache_salt": st.sampled_from(STRINGS + WRONG_TYPES),
     "max_tokens": st.sampled_from(NUMBERS),
@@ -210,7 +211,7 @@ def fuzzed_fields(model, tailored: dict[str, st.SearchStrategy]) -> dict[str, st
 SHARED_BASES = [{"temperature": 0}, {"temperature": 1.0, "seed": 7}, {"min_tokens": 1, "temperature": 0.8},
                 {"stream": True, "stream_options": {"include_usage": True}}, {"n": 2, "temperature": 1.0}]
 COMPLETION_BASES = [{"model": "tiny", "prompt": "Hello", "max_tokens": 2, **base}
-                    for base in SHARED_BASES + [{"logprobs": 2}]]
+                    for base in SHARED_BASES + [{"logprobs": 2}, {"echo": True, "logprobs": 2}]]
 CHAT_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **base}
               for base in SHARED_BASES + [{"logprobs": True, "top_logprobs": 2}]]
 
