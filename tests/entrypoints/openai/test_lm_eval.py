@@ -1,0 +1,79 @@
+"""EleutherAI's lm-evaluation-harness scores a multiple-choice task through pagellm (issue 32): its
+`local-completions` model against a live `pagellm serve` (the remote tokenizer it finds through /tokenizer_info and
+/tokenize, loglikelihood requests with echo, logprobs=1 and max_tokens=1) picks the same answer for every item, with
+the same loglikelihoods, as its own `hf` model on the same float32 weights. The task and its data are local files
+written here; nothing is downloaded."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extra: pip install -e '.[test]'")
+
+TASK = "pagellm_tiny_choice"
+NUM_ITEMS = 10
+TOLERANCE = 1e-3  # a sum of up to a few tokens' logprobs, each within 1e-4 of transformers'
+WORDS = ["red", "green", "blue", "cat", "dog", "house", "river", "seven", "paper", "music", "stone", "winter"]
+
+
+def write_task(directory) -> None:
+    """A task YAML and a jsonl of NUM_ITEMS four-way questions (random words: the tiny model's answers are arbitrary,
+    but both backends must give the same ones)."""
+    rng = random.Random(0)
+    data = directory / "items.jsonl"
+    with open(data, "w") as f:
+        for _ in range(NUM_ITEMS):
+            words = rng.sample(WORDS, 6)
+            question = f"Which word comes after {words[0]} and {words[1]}?"
+            f.write(json.dumps({"question": question, "choices": words[2:], "answer": rng.randrange(4)}) + "\n")
+    (directory / f"{TASK}.yaml").write_text(
+        f"task: {TASK}\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+        "doc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: answer\n"
+        "target_delimiter: \" \"\n"
+        "metric_list:\n  - metric: acc\n")
+
+
+@pytest.fixture(scope="module")
+def lm_eval_server(model_dir, start_server):
+    """No API key (lm-eval's remote tokenizer sends none by default); small steps, so prompts are chunked."""
+    yield from start_server(model_dir, "--max-num-batched-tokens", "16")
+
+
+def evaluate(model: str, model_args: dict, task_dir) -> tuple[float, list[tuple[list[float], int]]]:
+    """lm-eval's accuracy and, per item (by doc id), the choices' loglikelihoods and the item's acc."""
+    from lm_eval.tasks import TaskManager
+
+    results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], log_samples=True,
+                                      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                                      batch_size=1)
+    samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
+    per_item = [([resp[0] for resp in sample["filtered_resps"]], sample["acc"]) for sample in samples]
+    return results["results"][TASK]["acc,none"], per_item
+
+
+def test_local_completions_scores_as_hf(lm_eval_server, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    write_task(tmp_path)
+    hf_acc, hf_items = evaluate("hf", {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"}, tmp_path)
+    served_acc, served_items = evaluate(
+        "local-completions", {"model": lm_eval_server.model_name, "base_url": f"{lm_eval_server.url}/v1/completions",
+                              "num_concurrent": 1, "max_retries": 1}, tmp_path)
+    print(f"acc: local-completions {served_acc}, hf {hf_acc}")
+    for doc_id, ((served, served_hit), (hf, _)) in enumerate(zip(served_items, hf_items)):
+        print(f"item {doc_id}: acc {served_hit}, loglikelihoods served {[round(x, 4) for x in served]}, "
+              f"hf {[round(x, 4) for x in hf]}")
+    assert len(served_items) == len(hf_items) == NUM_ITEMS
+    for (served, served_hit), (hf, hf_hit) in zip(served_items, hf_items):
+        assert served == pytest.approx(hf, abs=TOLERANCE)
+        assert max(range(4), key=served.__getitem__) == max(range(4), key=hf.__getitem__)
+        assert served_hit == hf_hit
+    assert served_acc == hf_acc
