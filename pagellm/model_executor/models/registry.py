@@ -1,17 +1,17 @@
-"""Which Hugging Face `architectures` entry maps to which model class."""
+"""Which Hugging Face `architectures` entry maps to which model class. A model's module is imported only when that
+model is built, so adding a family is one file plus one line here."""
 from __future__ import annotations
+
+import importlib
 
 from torch import nn
 
-from pagellm.model_executor.models.llama import LlamaForCausalLM
-from pagellm.model_executor.models.qwen2 import Qwen2ForCausalLM
-from pagellm.model_executor.models.qwen3 import Qwen3ForCausalLM
-
-_MODELS: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+# architecture -> (module under pagellm.model_executor.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
 }
 
 
@@ -29,4 +29,5 @@ def resolve_architecture(hf_config) -> str:
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
-    return _MODELS[architecture]
+    module_name, class_name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"pagellm.model_executor.models.{module_name}"), class_name)
