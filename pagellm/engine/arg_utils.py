@@ -144,17 +144,13 @@ class EngineArgs:
         return self.quantization
 
     def _max_model_len(self, hf_config) -> int:
+        # A sliding window (Mistral) does not bound the context: the attention applies it.
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            # Sliding-window attention is not implemented; within the window it is plain causal attention.
-            limit = min(limit, window)
         if self.max_model_len is None:
             return limit
         if not 0 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be between 1 and the model's limit of "
-                             f"{limit} tokens (max_position_embeddings, or the sliding window); lower "
-                             f"--max-model-len.")
+                             f"{limit} tokens (max_position_embeddings); lower --max-model-len.")
         return self.max_model_len
 
     @staticmethod
