@@ -32,6 +32,7 @@ from pagellm.sampling_params import SamplingParams
 
 PromptLogprobsList = list[dict[int, Logprob] | None]
 
+
 @dataclass(frozen=True)
 class Echo:
     """What echo puts before a prompt's choices: the prompt's text and token ids (as the engine runs them, after
@@ -52,12 +53,13 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt in prompts:
             self.check_length(prompt, params, "prompt")
         self.check_batch_size(prompts, params)
+        # Before the requests start: nothing may fail between their start and the response that closes them.
+        echoes = [await self._echo(prompt, params) for prompt in prompts] if request.echo else None
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if request.use_beam_search:
             first, rest = await self._start_beam_search(prompts, request, request_id)
         else:
             first, rest = await self.start(prompts, params, request_id, request)
-        echoes = [await self._echo(prompt, params) for prompt in prompts] if request.echo else None
         if request.stream:
             return self._stream(request, request_id, model, first, rest, echoes)
         return await self._full(request, request_id, model, chain_first(first, rest), echoes)

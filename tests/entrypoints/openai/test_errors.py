@@ -46,7 +46,7 @@ def assert_still_serving(http) -> None:
     ("/v1/completions", dict(GOOD, prompt=None), "prompt"),
     ("/v1/completions", dict(GOOD, prompt=[]), "prompt"),
     ("/v1/completions", dict(GOOD, prompt=[-5, 3]), None),
-    ("/v1/completions", dict(GOOD, echo=True), "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ("/v1/completions", dict(GOOD, prompt="hi " * 300), "prompt"),
     ("/v1/completions", dict(GOOD, max_tokens=250, prompt="hi " * 10), "max_tokens"),
     ("/v1/completions", {"prompt": "Hello", "stream": "yes please"}, "stream"),
