@@ -1,8 +1,8 @@
 """EleutherAI's lm-evaluation-harness scores a multiple-choice task through pagellm (issue 32): its
 `local-completions` model against a live `pagellm serve` (the remote tokenizer it finds through /tokenizer_info and
 /tokenize, loglikelihood requests with echo, logprobs=1 and max_tokens=1) picks the same answer for every item, with
-the same loglikelihoods, as its own `hf` model on the same float32 weights. The task and its data are local files
-written here; nothing is downloaded."""
+the same loglikelihoods, as its own `hf` model on the same float32 weights, and generates the same greedy answers.
+The tasks and their data are local files written here; nothing is downloaded."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extra: pip install -e '.[test]'")
 
 TASK = "pagellm_tiny_choice"
+GENERATION_TASK = "pagellm_tiny_generation"
 NUM_ITEMS = 10
 TOLERANCE = 1e-3  # a sum of up to a few tokens' logprobs, each within 1e-4 of transformers'
 WORDS = ["red", "green", "blue", "cat", "dog", "house", "river", "seven", "paper", "music", "stone", "winter"]
@@ -39,6 +40,17 @@ def write_task(directory) -> None:
         "doc_to_target: answer\n"
         "target_delimiter: \" \"\n"
         "metric_list:\n  - metric: acc\n")
+    # The same questions answered by greedy generation (what lm-eval's generate_until tasks ask of the server).
+    (directory / f"{GENERATION_TASK}.yaml").write_text(
+        f"task: {GENERATION_TASK}\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: generate_until\n"
+        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+        "doc_to_target: \"{{choices[answer]}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +59,28 @@ def lm_eval_server(model_dir, start_server):
     yield from start_server(model_dir, "--max-num-batched-tokens", "16")
 
 
-def evaluate(model: str, model_args: dict, task_dir) -> tuple[float, list[tuple[list[float], int]]]:
-    """lm-eval's accuracy and, per item (by doc id), the choices' loglikelihoods and the item's acc."""
+def evaluate(model: str, model_args: dict, task_dir) -> tuple[float, list[tuple[list[float], int]], list[str]]:
+    """lm-eval's accuracy and, per item (by doc id), the choices' loglikelihoods and the item's acc, and the
+    generated answers."""
     from lm_eval.tasks import TaskManager
 
-    results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], log_samples=True,
-                                      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
-                                      batch_size=1)
+    results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK, GENERATION_TASK],
+                                      log_samples=True, batch_size=1,
+                                      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
     per_item = [([resp[0] for resp in sample["filtered_resps"]], sample["acc"]) for sample in samples]
-    return results["results"][TASK]["acc,none"], per_item
+    generated = [sample["resps"][0][0] for sample in sorted(results["samples"][GENERATION_TASK],
+                                                            key=lambda s: s["doc_id"])]
+    return results["results"][TASK]["acc,none"], per_item, generated
 
 
 def test_local_completions_scores_as_hf(lm_eval_server, model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     write_task(tmp_path)
-    hf_acc, hf_items = evaluate("hf", {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"}, tmp_path)
-    served_acc, served_items = evaluate(
+    hf_acc, hf_items, hf_generated = evaluate(
+        "hf", {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"}, tmp_path)
+    served_acc, served_items, served_generated = evaluate(
         "local-completions", {"model": lm_eval_server.model_name, "base_url": f"{lm_eval_server.url}/v1/completions",
                               "num_concurrent": 1, "max_retries": 1}, tmp_path)
     print(f"acc: local-completions {served_acc}, hf {hf_acc}")
@@ -77,3 +93,5 @@ def test_local_completions_scores_as_hf(lm_eval_server, model_dir, tmp_path, mon
         assert max(range(4), key=served.__getitem__) == max(range(4), key=hf.__getitem__)
         assert served_hit == hf_hit
     assert served_acc == hf_acc
+    print(f"generated: served {served_generated}, hf {hf_generated}")
+    assert served_generated == hf_generated and len(served_generated) == NUM_ITEMS
