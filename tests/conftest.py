@@ -39,6 +39,23 @@ TINY_CONFIGS = {
     "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=64, intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                     sliding_window=16),
+    # Phi-4-mini's shape: fused qkv/gate_up in the checkpoint, a quarter of each head left unrotated.
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                 partial_rotary_factor=0.75),
+    # Phi-3-mini-128k's LongRoPE, its original context (where the short factors hold) scaled down to 256.
+    "phi3-longrope": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=64,
+                          intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                          tie_word_embeddings=False, original_max_position_embeddings=256,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0,
+                                           "original_max_position_embeddings": 256,
+                                           "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                           "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}),
+    # 8 experts, top-2, every layer sparse but the dense (mlp_only) layer 1.
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64,
+                      intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
 }
 
 

@@ -1,0 +1,36 @@
+"""Phi-3 and Phi-4-mini: the Llama decoder as their checkpoints store it, plus the LongRoPE context bound.
+
+Their checkpoints already hold the fused `qkv_proj` and `gate_up_proj` matrices, which the fused layers load whole
+(each splits the matrix into its shards for tensor parallelism), so nothing is renamed. Partial rotary
+(Phi-4-mini's 0.75) is the rotary embedding's `partial_rotary_factor`; such a model runs module by module, as the
+one-call CPU decode step rotates whole heads only.
+
+LongRoPE: transformers rotates with the short factors while a forward pass's positions stay within
+original_max_position_embeddings and switches every position of the pass to the long factors past it, so its output
+beyond that length depends on how the sequence was split into passes. pagellm rotates with the short factors and
+refuses a max_model_len beyond original_max_position_embeddings, where it could not be exact.
+"""
+from __future__ import annotations
+
+from pagellm.model_executor.layers.rotary_embedding import rope_parameters
+from pagellm.model_executor.models.llama import LlamaForCausalLM
+
+
+def longrope_limit(config) -> int | None:
+    """The longest context pagellm runs exactly under the config's LongRoPE scaling; None without LongRoPE."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        return None
+    return int(params.get("original_max_position_embeddings")
+               or getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config, max_position: int) -> None:
+        limit = longrope_limit(config)
+        if limit is not None and max_position > limit:
+            raise ValueError(
+                f"max_model_len ({max_position}) exceeds this LongRoPE model's original_max_position_embeddings "
+                f"({limit}): past it transformers switches to the long RoPE factors, which pagellm does not "
+                f"implement; pass --max-model-len {limit} (max_model_len={limit}) or less.")
+        super().__init__(config, max_position)
