@@ -56,6 +56,13 @@ TINY_CONFIGS = {
                       intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                       decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    # Gemma 3's 5:1 pattern over 7 layers (layer 5 global, the others local with a 16-token window), each kind with
+    # its own RoPE base.
+    "gemma3": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, sliding_window=16, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
 }
 
 

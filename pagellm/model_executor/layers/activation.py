@@ -14,3 +14,11 @@ class SiluAndMul(nn.Module):
             return elementwise.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up with the tanh approximation (Gemma's gelu_pytorch_tanh), for the fused [gate | up] output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -21,3 +21,17 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x * rsqrt(mean(x^2) + eps) * (1 + w) in float32 before the cast back. `weight` holds 1 + w
+    (the model adds the 1 at load), so the C kernel of RMSNorm computes it unchanged."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)
+        if residual is not None:
+            x = residual.add_(x)
+        # In a lower precision Gemma multiplies by the weight before rounding, not after.
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)

@@ -26,9 +26,11 @@ def layer_sliding_window(config, index: int) -> int | None:
 
 class Attention(nn.Module):
     """One layer's attention. `sliding_window` (this layer's; None: the whole sequence): a query at position q sees
-    the keys at q - sliding_window < k <= q, exactly transformers' sliding-window mask."""
+    the keys at q - sliding_window < k <= q, exactly transformers' sliding-window mask. `scale` multiplies q.k
+    (default head_dim^-0.5; Gemma 3 uses query_pre_attn_scalar^-0.5)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
@@ -37,7 +39,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -1,0 +1,173 @@
+"""Gemma 3 through the whole engine on a tiny random-weight model (tests/conftest.py's "gemma3": 7 layers, layer 5
+global and the others local with a 16-token window, two RoPE bases, query_pre_attn_scalar 24): transformers'
+float32 tokens and logprobs on prompts of up to 300 tokens, through chunked prefill, prefix caching of a prefix
+longer than the window, preemption and recomputation, n > 1, the PyTorch attention backend, two tensor-parallel
+ranks and two pipeline stages, and with final logit soft-capping.
+
+The reference is teacher-forced: one uncached transformers forward over each sequence's own tokens, so every
+position is checked whatever came before it. A greedy token may differ from transformers' only where its top two
+logits are within 0.02 (a float near-tie).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+
+PROMPT_LENS = [5, 17, 100, 190, 300]
+NEW_TOKENS = 12
+NEAR_TIE = 0.02
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("gemma3")
+
+
+@pytest.fixture(scope="module")
+def prompts(make_token_prompts):
+    return make_token_prompts(PROMPT_LENS, seed=29)
+
+
+def check_against_reference(hf_model, prompt: list[int], tokens: list[int], logprobs: list[float],
+                            greedy: bool = True) -> None:
+    """`logprobs` (of `tokens`) are transformers' log p(token | prompt + tokens before it); greedy tokens are its
+    argmax up to a near-tie."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
+    reference = logits[len(prompt) - 1:-1].float().log_softmax(-1)
+    expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(logprobs), expected, rtol=0, atol=LOGPROB_TOLERANCE,
+                               msg=f"{len(prompt)}-token prompt")
+    if greedy:
+        margins = reference.max(-1).values - expected
+        assert (margins < NEAR_TIE).all(), (len(prompt), margins)
+
+
+def assert_matches_reference(hf_model, output, greedy: bool = True) -> None:
+    for completion in output.outputs:
+        tokens = completion.token_ids
+        logprobs = [entry[t].logprob for entry, t in zip(completion.logprobs, tokens)]
+        check_against_reference(hf_model, output.prompt_token_ids, tokens, logprobs, greedy)
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(max_num_batched_tokens=7, block_size=8)],
+                         ids=["one-step-prefill", "chunked-7-block-8"])
+def test_greedy_matches_transformers(overrides, model_dir, prompts, hf_model, no_leaks):
+    llm = LLM(model=str(model_dir), max_model_len=512, kv_cache_memory_bytes=8 << 20, **overrides)
+    assert llm.llm_engine.config.model_config.max_model_len == 512
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    for output in outputs:
+        assert len(output.outputs[0].token_ids) == NEW_TOKENS
+        assert_matches_reference(hf_model, output)
+    model = llm.llm_engine.engine_core.executor.collective_rpc("__getattribute__", "model_runner")[0].model
+    assert type(model).__name__ == "Gemma3ForCausalLM" and not hasattr(model, "fused_decoder")
+    no_leaks(llm)
+
+
+def test_prefix_longer_than_the_window_from_the_cache(model_dir, make_token_prompts, hf_model, no_leaks):
+    """The second prompt reuses 96 cached tokens of a 100-token shared prefix: its local layers read the cached
+    tail of the prefix within the window, its global layer the whole prefix."""
+    shared = make_token_prompts([100], seed=1)[0]["prompt_token_ids"]
+    tails = make_token_prompts([7, 30], seed=2)
+    llm = LLM(model=str(model_dir), max_model_len=512, kv_cache_memory_bytes=8 << 20, block_size=8)
+    outputs = [llm.generate({"prompt_token_ids": shared + t["prompt_token_ids"]}, greedy(), use_tqdm=False)[0]
+               for t in tails]
+    assert (outputs[0].num_cached_tokens, outputs[1].num_cached_tokens) == (0, 96)
+    for output in outputs:
+        assert_matches_reference(hf_model, output)
+    no_leaks(llm)
+
+
+def test_preempted_and_recomputed_sequences_match(model_dir, prompts, hf_model, pool_bytes, no_leaks):
+    """A pool that holds one full-length request, not the batch: sequences are preempted and recomputed."""
+    max_model_len, block_size = 320, 8
+    llm = LLM(model=str(model_dir), max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=64,
+              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, max_model_len // block_size + 2))
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
+    for output in outputs:
+        assert_matches_reference(hf_model, output)
+    no_leaks(llm)
+
+
+def test_n_sampled_sequences_each_match(model_dir, make_token_prompts, hf_model, no_leaks):
+    """n = 4 sequences sharing a 150-token prompt's blocks: each one's logprobs are those of its own tokens."""
+    llm = LLM(model=str(model_dir), max_model_len=512, kv_cache_memory_bytes=8 << 20, block_size=8)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
+    (output,) = llm.generate(make_token_prompts([150], seed=3), params, use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in output.outputs}) == 4
+    assert_matches_reference(hf_model, output, greedy=False)
+    no_leaks(llm)
+
+
+def test_final_logit_softcapping(tiny_model_factory, prompts):
+    """A cap of 1.5 squashes the logits hard (their spread is several units here): tanh(logits / 1.5) * 1.5, as
+    transformers applies it. Within +-1.5, no token's logprob exceeds 3 - log(vocab)."""
+
+    from transformers import AutoModelForCausalLM
+
+    capped_dir = tiny_model_factory("gemma3", final_logit_softcapping=1.5)
+    hf_capped = AutoModelForCausalLM.from_pretrained(str(capped_dir), dtype=torch.float32).eval()
+    assert hf_capped.config.final_logit_softcapping == 1.5
+    llm = LLM(model=str(capped_dir), max_model_len=512, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=64)
+    for output in llm.generate(prompts[:3], greedy(), use_tqdm=False):
+        assert all(entry[t].logprob <= 3.0 - math.log(49152) for entry, t in zip(output.outputs[0].logprobs,
+                                                                                   output.outputs[0].token_ids))
+        assert_matches_reference(hf_capped, output)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_two_ranks_match_transformers(parallel, model_dir, prompts, hf_model):
+    """Two tensor-parallel ranks (2 query and 1 KV head each) or two pipeline stages (layers 0-3 and 4-6, the tied
+    LM head on both), in worker processes."""
+    llm = LLM(model=str(model_dir), max_model_len=512, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=48,
+              **parallel)
+    try:
+        outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for output in outputs:
+        assert_matches_reference(hf_model, output)
+
+
+BACKEND_SCRIPT = """
+import json, sys
+import torch
+from pagellm import LLM, SamplingParams
+from pagellm.model_executor.layers.attention import attention_backend
+llm = LLM(model=sys.argv[1], max_model_len=512, kv_cache_memory_bytes=8 << 20, block_size=8,
+          max_num_batched_tokens=48)
+params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True, logprobs=0)
+out = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
+print(json.dumps({"backend": attention_backend("cpu", torch.float32),
+                  "outputs": [[o.prompt_token_ids, o.outputs[0].token_ids,
+                               [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]]
+                              for o in out]}))
+"""
+
+
+def test_torch_attention_backend_matches_transformers(model_dir, prompts, hf_model):
+    """PAGELLM_ATTENTION_BACKEND=torch runs every prefill chunk and decode through the PyTorch reference backend's
+    per-layer windows and query scale. The switch is read once per process, so the run is a separate one."""
+    env = dict(os.environ, PAGELLM_ATTENTION_BACKEND="torch", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-c", BACKEND_SCRIPT, str(model_dir), json.dumps(prompts),
+                             str(NEW_TOKENS)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["backend"] == "torch"
+    for prompt, tokens, logprobs in report["outputs"]:
+        check_against_reference(hf_model, prompt, tokens, logprobs)
