@@ -1,7 +1,7 @@
 """Phi-3 (partial rotary as in Phi-4-mini; LongRoPE as in Phi-3-mini-128k) and Qwen3-MoE (8 experts, top-2, one
 dense layer) through the whole engine: tiny random-weight checkpoints written by transformers equal transformers'
 float32 model token for token and logprob for logprob, through one-step and chunked prefill, prefix caching,
-preemption and recomputation, n > 1, and two tensor-parallel ranks.
+preemption and recomputation, n > 1, and two tensor-parallel ranks or pipeline stages.
 
 The reference is teacher-forced: one uncached transformers forward over each sequence's own tokens, so every
 position is checked whatever came before it. A greedy token may differ from transformers' only where its top two
@@ -105,11 +105,14 @@ def test_n_sampled_sequences_each_match(case, make_token_prompts, no_leaks):
     no_leaks(llm)
 
 
-def test_two_tensor_parallel_ranks(case, prompts):
-    """Each rank holds half of every head group and every expert's intermediate slice; chunked prefill."""
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_two_ranks(parallel, case, prompts):
+    """Tensor parallel: each rank holds half of every head group and every expert's intermediate slice. Pipeline
+    parallel: each stage builds (and makes sparse) only its own layers. Chunked prefill."""
     model_dir, hf_model = case
     llm = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=4 << 20,
-              max_num_batched_tokens=32, tensor_parallel_size=2)
+              max_num_batched_tokens=32, **parallel)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     llm.shutdown()
     for output in outputs:

@@ -24,7 +24,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def __init__(self, config, max_position: int) -> None:
         super().__init__(config, max_position)
         # The Llama layers come with a dense MLP; the sparse layers trade theirs for the experts before any weight
-        # is stored (the dense matrices were only allocated, never written).
+        # is stored. The dense matrices were allocated, never written: on the CPU their pages were never touched,
+        # on a GPU the caching allocator hands their memory to the (larger) experts built next.
         for index, layer in enumerate(self.layers):
             if self.stage.holds_layer(index) and is_sparse_layer(config, index):
                 layer.mlp = MixtureOfExperts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
