@@ -3,7 +3,7 @@
 (None for the first prompt token, then token id -> logprob, rank, text) on completions and chat."""
 from __future__ import annotations
 
-from pagellm.entrypoints.openai.protocol import CompletionLogProbs, PromptLogprob, PromptLogprobs
+from pagellm.entrypoints.openai.protocol_responses import CompletionLogProbs, PromptLogprob, PromptLogprobs
 from pagellm.outputs import Logprob
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf

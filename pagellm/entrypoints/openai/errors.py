@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagellm.entrypoints.openai.protocol_responses import ErrorInfo, ErrorResponse
 from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.logger import init_logger
 from pagellm.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from pagellm.entrypoints.openai.protocol import ErrorResponse
+from pagellm.entrypoints.openai.protocol_responses import ErrorResponse
 
 # Server-sent events: each event's `data` is one JSON chunk (the response model's streaming form), the last one
 # `[DONE]`.

@@ -9,9 +9,9 @@ from collections.abc import AsyncGenerator
 
 from pagellm.entrypoints.openai.completion_logprobs import LOGPROB_FLOOR, prompt_logprobs_response
 from pagellm.entrypoints.openai.errors import sse_error
-from pagellm.entrypoints.openai.protocol import (
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_responses import (
     ChatCompletionLogProbs,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,

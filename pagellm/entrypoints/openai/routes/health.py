@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from pagellm import __version__
 from pagellm.entrypoints.openai.errors import error_response
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol import HealthResponse
+from pagellm.entrypoints.openai.protocol_responses import HealthResponse
 from pagellm.entrypoints.openai.routes.state import ServerStateDep
 
 router = APIRouter()

@@ -6,7 +6,7 @@ from http import HTTPStatus
 from fastapi import APIRouter
 
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol import ModelCard, ModelList
+from pagellm.entrypoints.openai.protocol_responses import ModelCard, ModelList
 from pagellm.entrypoints.openai.routes.state import ServerStateDep
 
 router = APIRouter()

@@ -6,13 +6,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
-)
+from pagellm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from pagellm.entrypoints.openai.protocol_responses import DetokenizeResponse, TokenizeResponse
 from pagellm.entrypoints.openai.routes.shared import WITH_BODY_ERRORS, respond
 from pagellm.entrypoints.openai.routes.state import ServerStateDep
 

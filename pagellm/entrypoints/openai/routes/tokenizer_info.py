@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol import TokenizerInfoResponse
+from pagellm.entrypoints.openai.protocol_responses import TokenizerInfoResponse
 from pagellm.entrypoints.openai.routes.state import ServerStateDep
 from pagellm.transformers_utils.tokenizer import get_tokenizer
 
