@@ -119,8 +119,8 @@ class Gemma3ForCausalLM(nn.Module):
         if self.pp.is_first_rank:
             hidden = self.embed_tokens(input_ids) * self.embed_scale
         else:
-            dtype = self.stage.own[0].input_layernorm.weight.dtype
-            hidden = self.pp.recv_prev((input_ids.shape[0], self.config.hidden_size), dtype, input_ids.device)
+            hidden = self.pp.recv_prev((input_ids.shape[0], self.config.hidden_size), self.embed_scale.dtype,
+                                       input_ids.device)
         ropes = {layer_type: rotary.tables(positions, hidden) for layer_type, rotary in self.rotary_embs.items()}
         for layer, kv_cache in zip(self.stage.own, kv_caches, strict=True):
             layer_type = layer.self_attn.layer_type
