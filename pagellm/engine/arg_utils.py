@@ -25,6 +25,7 @@ from pagellm.config import (
     resolve_dtype,
 )
 from pagellm.model_executor.layers.quantization import QUANTIZATION_METHODS
+from pagellm.model_executor.layers.rotary_embedding import longrope_limit
 from pagellm.model_executor.model_loader.gguf_loader import gguf_source
 from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir
 from pagellm.model_executor.models.registry import resolve_architecture
@@ -146,6 +147,13 @@ class EngineArgs:
     def _max_model_len(self, hf_config) -> int:
         # A sliding window (Mistral) does not bound the context: the attention applies it.
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        exact = longrope_limit(hf_config)
+        if exact is not None and (self.max_model_len or 0) > exact:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds this LongRoPE model's "
+                             f"original_max_position_embeddings ({exact}): past it transformers switches to the long "
+                             f"RoPE factors, which pagellm does not implement; pass --max-model-len {exact} or less.")
+        if exact is not None:
+            limit = min(limit, exact)
         if self.max_model_len is None:
             return limit
         if not 0 < self.max_model_len <= limit:

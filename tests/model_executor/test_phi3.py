@@ -10,8 +10,8 @@ from transformers import AutoConfig
 
 from pagellm import LLM
 from pagellm.kernels.decoder import FusedDecoder
-from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
-from pagellm.model_executor.models.phi3 import Phi3ForCausalLM, longrope_limit
+from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding, longrope_limit
+from pagellm.model_executor.models.phi3 import Phi3ForCausalLM
 
 
 def model_of(llm: LLM):
@@ -34,11 +34,16 @@ def test_longrope_tables_equal_transformers_within_the_original_context(tiny_mod
     torch.testing.assert_close(rope.sin_cache[:, :half], -sin[0, :, :half], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("max_model_len", [257, None], ids=["257", "default-1024"])
-def test_longrope_context_beyond_the_original_is_refused(tiny_model_factory, max_model_len):
+def test_longrope_context_beyond_the_original_is_refused(tiny_model_factory):
     with pytest.raises(ValueError, match=r"original_max_position_embeddings \(256\).*--max-model-len 256"):
-        LLM(model=str(tiny_model_factory("phi3-longrope")), max_model_len=max_model_len,
-            kv_cache_memory_bytes=4 << 20)
+        LLM(model=str(tiny_model_factory("phi3-longrope")), max_model_len=257, kv_cache_memory_bytes=4 << 20)
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings \(256\).*--max-model-len 256"):
+        Phi3ForCausalLM(AutoConfig.from_pretrained(tiny_model_factory("phi3-longrope")), max_position=257)
+
+
+def test_longrope_default_context_is_the_original(tiny_model_factory):
+    llm = LLM(model=str(tiny_model_factory("phi3-longrope")), kv_cache_memory_bytes=4 << 20)
+    assert llm.llm_engine.config.model_config.max_model_len == 256  # max_position_embeddings is 1024
 
 
 def test_no_bound_without_longrope(tiny_model_factory):

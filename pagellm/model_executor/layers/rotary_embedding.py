@@ -34,6 +34,16 @@ def rotary_dim(hf_config, head_dim: int, layer_type: str | None = None) -> int:
     return int(head_dim * factor)
 
 
+def longrope_limit(hf_config) -> int | None:
+    """The longest context rotated exactly under the config's LongRoPE scaling (its short factors reach
+    original_max_position_embeddings; see models/phi3.py); None without LongRoPE."""
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "longrope":
+        return None
+    return int(params.get("original_max_position_embeddings")
+               or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+
+
 def compute_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]

@@ -80,10 +80,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, index, rotary_emb, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,12 +119,16 @@ class LlamaForCausalLM(nn.Module):
         # One cos/sin cache shared by every layer.
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)
         self.stage = StageLayers(config.num_hidden_layers, lambda index: LlamaDecoderLayer(
-            config, index, self.rotary_emb, qkv_bias, self.qk_norm))
+            config, index, self.rotary_emb, qkv_bias, self.qk_norm, self.make_mlp(config, index)))
         self.layers = self.stage.layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
         has_lm_head = is_last and not self.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if has_lm_head else None
         self._fused: FusedDecoder | bool | None = None  # None: not built yet; False: does not apply
+
+    def make_mlp(self, config, index: int) -> nn.Module:
+        """Layer `index`'s MLP; a family whose layers differ there (a mixture of experts) overrides it."""
+        return LlamaMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor | None:

@@ -7,22 +7,14 @@ one-call CPU decode step rotates whole heads only.
 
 LongRoPE: transformers rotates with the short factors while a forward pass's positions stay within
 original_max_position_embeddings and switches every position of the pass to the long factors past it, so its output
-beyond that length depends on how the sequence was split into passes. pagellm rotates with the short factors and
-refuses a max_model_len beyond original_max_position_embeddings, where it could not be exact.
+beyond that length depends on how the sequence was split into passes. pagellm rotates with the short factors, and
+its context stops at original_max_position_embeddings (the default max_model_len; a longer one is refused), where
+it could not be exact.
 """
 from __future__ import annotations
 
-from pagellm.model_executor.layers.rotary_embedding import rope_parameters
+from pagellm.model_executor.layers.rotary_embedding import longrope_limit
 from pagellm.model_executor.models.llama import LlamaForCausalLM
-
-
-def longrope_limit(config) -> int | None:
-    """The longest context pagellm runs exactly under the config's LongRoPE scaling; None without LongRoPE."""
-    params = rope_parameters(config)
-    if params["rope_type"] != "longrope":
-        return None
-    return int(params.get("original_max_position_embeddings")
-               or getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -8,6 +8,8 @@ only, so this model always runs module by module.
 """
 from __future__ import annotations
 
+from torch import nn
+
 from pagellm.model_executor.layers.moe import MixtureOfExperts
 from pagellm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
@@ -21,12 +23,8 @@ def is_sparse_layer(config, index: int) -> bool:
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     use_fused_decoder = False
 
-    def __init__(self, config, max_position: int) -> None:
-        super().__init__(config, max_position)
-        # The Llama layers come with a dense MLP; the sparse layers trade theirs for the experts before any weight
-        # is stored. The dense matrices were allocated, never written: on the CPU their pages were never touched,
-        # on a GPU the caching allocator hands their memory to the (larger) experts built next.
-        for index, layer in enumerate(self.layers):
-            if self.stage.holds_layer(index) and is_sparse_layer(config, index):
-                layer.mlp = MixtureOfExperts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                             config.num_experts_per_tok, bool(config.norm_topk_prob))
+    def make_mlp(self, config, index: int) -> nn.Module:
+        if not is_sparse_layer(config, index):
+            return super().make_mlp(config, index)
+        return MixtureOfExperts(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                config.num_experts_per_tok, bool(config.norm_topk_prob))
