@@ -52,7 +52,7 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
-        self._validate_tokens(token_ids)
+        self.validate_prompt_tokens(token_ids)
         bad_words_token_ids = self._validate_params(params)
         self._check_capacity(len(token_ids), params)
         # The scheduler also stops every request at max_model_len tokens in all.
@@ -69,7 +69,7 @@ class InputProcessor:
             raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
         cache_salt = self._cache_salt(prompt)
         text, token_ids = self.tokenize(prompt)
-        self._validate_tokens(token_ids)
+        self.validate_prompt_tokens(token_ids)
         if params.beam_width > self.max_num_seqs:
             raise InvalidRequestError(f"beam_width={params.beam_width} is more than max_num_seqs="
                                       f"{self.max_num_seqs}; lower beam_width or raise --max-num-seqs.")
@@ -168,7 +168,8 @@ class InputProcessor:
                 result.append(spaced)
         return result
 
-    def _validate_tokens(self, token_ids: list[int]) -> None:
+    def validate_prompt_tokens(self, token_ids: list[int]) -> None:
+        """A prompt's token ids: at least one, each in the vocabulary, no more than max_model_len."""
         if not token_ids:
             raise InvalidRequestError("The prompt is empty: it must contain at least one token.")
         vocab = self.model_config.vocab_size

@@ -63,6 +63,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _echo(self, prompt: TokensPrompt, params: SamplingParams) -> Echo:
         """A token-id or truncated prompt is echoed as its tokens' text (as vLLM)."""
+        # The ids are decoded before the engine sees them: a request's own ids must be checked first (a 400).
+        self.engine.frontend.input_processor.validate_prompt_tokens(prompt["prompt_token_ids"])
         token_ids = prompt["prompt_token_ids"][-self.num_prompt_tokens(prompt, params):]
         text = prompt["prompt"]
         if text is None or len(token_ids) < len(prompt["prompt_token_ids"]):

@@ -208,6 +208,16 @@ def test_refused_scoring_requests_name_the_field(scoring_server, body, param):
     assert response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.parametrize("prompt", [[5, -267, 9], [5, 3659303201344], [10 ** 9, 3]],
+                         ids=["negative", "huge", "past-vocab"])
+def test_echo_of_token_ids_outside_the_vocabulary_is_refused(scoring_server, prompt):
+    """Echo decodes the ids before the engine sees them: they are checked first (found by schemathesis: a 500)."""
+    response = httpx.post(f"{scoring_server.url}/v1/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "echo": True})
+    assert response.status_code == 400 and "out of range" in response.json()["error"]["message"], response.text
+
+
 def test_refused_chat_prompt_logprobs_name_the_field(scoring_server):
     for extra in ({"prompt_logprobs": MAX_LOGPROBS + 1}, {"prompt_logprobs": 1, "stream": True}):
         response = httpx.post(f"{scoring_server.url}/v1/chat/completions", timeout=30,
