@@ -10,21 +10,16 @@ logits are within 0.02 (a float near-tie).
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from teacher_forcing import assert_matches_transformers, check_teacher_forced, greedy_with_backend
 
 from pagellm import LLM, SamplingParams
 
 PROMPT_LENS = [5, 17, 100, 190, 300]
 NEW_TOKENS = 12
-NEAR_TIE = 0.02
-LOGPROB_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -35,28 +30,6 @@ def model_dir(tiny_model_factory):
 @pytest.fixture(scope="module")
 def prompts(make_token_prompts):
     return make_token_prompts(PROMPT_LENS, seed=29)
-
-
-def check_against_reference(hf_model, prompt: list[int], tokens: list[int], logprobs: list[float],
-                            greedy: bool = True) -> None:
-    """`logprobs` (of `tokens`) are transformers' log p(token | prompt + tokens before it); greedy tokens are its
-    argmax up to a near-tie."""
-    with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
-    reference = logits[len(prompt) - 1:-1].float().log_softmax(-1)
-    expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(logprobs), expected, rtol=0, atol=LOGPROB_TOLERANCE,
-                               msg=f"{len(prompt)}-token prompt")
-    if greedy:
-        margins = reference.max(-1).values - expected
-        assert (margins < NEAR_TIE).all(), (len(prompt), margins)
-
-
-def assert_matches_reference(hf_model, output, greedy: bool = True) -> None:
-    for completion in output.outputs:
-        tokens = completion.token_ids
-        logprobs = [entry[t].logprob for entry, t in zip(completion.logprobs, tokens)]
-        check_against_reference(hf_model, output.prompt_token_ids, tokens, logprobs, greedy)
 
 
 def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
@@ -71,7 +44,7 @@ def test_greedy_matches_transformers(overrides, model_dir, prompts, hf_model, no
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     for output in outputs:
         assert len(output.outputs[0].token_ids) == NEW_TOKENS
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     model = llm.llm_engine.engine_core.executor.collective_rpc("__getattribute__", "model_runner")[0].model
     assert type(model).__name__ == "Gemma3ForCausalLM" and not hasattr(model, "fused_decoder")
     no_leaks(llm)
@@ -87,7 +60,7 @@ def test_prefix_longer_than_the_window_from_the_cache(model_dir, make_token_prom
                for t in tails]
     assert (outputs[0].num_cached_tokens, outputs[1].num_cached_tokens) == (0, 96)
     for output in outputs:
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     no_leaks(llm)
 
 
@@ -99,7 +72,7 @@ def test_preempted_and_recomputed_sequences_match(model_dir, prompts, hf_model, 
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
     for output in outputs:
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     no_leaks(llm)
 
 
@@ -109,7 +82,7 @@ def test_n_sampled_sequences_each_match(model_dir, make_token_prompts, hf_model,
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
     (output,) = llm.generate(make_token_prompts([150], seed=3), params, use_tqdm=False)
     assert len({tuple(c.token_ids) for c in output.outputs}) == 4
-    assert_matches_reference(hf_model, output, greedy=False)
+    assert_matches_transformers(hf_model, output, greedy=False)
     no_leaks(llm)
 
 
@@ -126,7 +99,7 @@ def test_final_logit_softcapping(tiny_model_factory, prompts):
     for output in llm.generate(prompts[:3], greedy(), use_tqdm=False):
         assert all(entry[t].logprob <= 3.0 - math.log(49152) for entry, t in zip(output.outputs[0].logprobs,
                                                                                    output.outputs[0].token_ids))
-        assert_matches_reference(hf_capped, output)
+        assert_matches_transformers(hf_capped, output)
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
@@ -141,33 +114,11 @@ def test_two_ranks_match_transformers(parallel, model_dir, prompts, hf_model):
     finally:
         llm.shutdown()
     for output in outputs:
-        assert_matches_reference(hf_model, output)
-
-
-BACKEND_SCRIPT = """
-import json, sys
-import torch
-from pagellm import LLM, SamplingParams
-from pagellm.model_executor.layers.attention import attention_backend
-llm = LLM(model=sys.argv[1], max_model_len=512, kv_cache_memory_bytes=8 << 20, block_size=8,
-          max_num_batched_tokens=48)
-params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True, logprobs=0)
-out = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
-print(json.dumps({"backend": attention_backend("cpu", torch.float32),
-                  "outputs": [[o.prompt_token_ids, o.outputs[0].token_ids,
-                               [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]]
-                              for o in out]}))
-"""
+        assert_matches_transformers(hf_model, output)
 
 
 def test_torch_attention_backend_matches_transformers(model_dir, prompts, hf_model):
     """PAGELLM_ATTENTION_BACKEND=torch runs every prefill chunk and decode through the PyTorch reference backend's
     per-layer windows and query scale. The switch is read once per process, so the run is a separate one."""
-    env = dict(os.environ, PAGELLM_ATTENTION_BACKEND="torch", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", BACKEND_SCRIPT, str(model_dir), json.dumps(prompts),
-                             str(NEW_TOKENS)], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["backend"] == "torch"
-    for prompt, tokens, logprobs in report["outputs"]:
-        check_against_reference(hf_model, prompt, tokens, logprobs)
+    for prompt, tokens, logprobs in greedy_with_backend("torch", model_dir, prompts, NEW_TOKENS):
+        check_teacher_forced(hf_model, prompt, tokens, logprobs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from teacher_forcing import assert_matches_transformers
 
 from pagellm import LLM, SamplingParams
 
@@ -19,8 +20,6 @@ KINDS = ["phi3", "phi3-longrope", "qwen3_moe"]
 PROMPT_LENS = [1, 6, 31, 90, 180]
 NEW_TOKENS = 12
 MAX_MODEL_LEN = 256
-NEAR_TIE = 0.02
-LOGPROB_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -37,24 +36,6 @@ def prompts(make_token_prompts):
     return make_token_prompts(PROMPT_LENS, seed=290)
 
 
-def assert_matches_reference(hf_model, output, greedy: bool = True) -> None:
-    """Each completion's logprobs are transformers' for its own tokens; greedy tokens are its argmax but on
-    near-ties."""
-    prompt = output.prompt_token_ids
-    for completion in output.outputs:
-        tokens = completion.token_ids
-        with torch.inference_mode():
-            logits = hf_model(torch.tensor([prompt + tokens])).logits[0]
-        reference = logits[len(prompt) - 1:-1].float().log_softmax(-1)
-        ours = torch.tensor([entry[t].logprob for entry, t in zip(completion.logprobs, tokens)])
-        expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        torch.testing.assert_close(ours, expected, rtol=0, atol=LOGPROB_TOLERANCE,
-                                   msg=f"{len(prompt)}-token prompt, sequence {completion.index}")
-        if greedy:
-            margins = reference.max(-1).values - expected
-            assert (margins < NEAR_TIE).all(), (len(prompt), margins)
-
-
 def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
 
@@ -66,7 +47,7 @@ def test_greedy_matches_transformers(overrides, case, prompts, no_leaks):
     llm = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=8 << 20, **overrides)
     for output in llm.generate(prompts, greedy(), use_tqdm=False):
         assert len(output.outputs[0].token_ids) == NEW_TOKENS
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     no_leaks(llm)
 
 
@@ -80,7 +61,7 @@ def test_cached_prefix_and_preemption(case, prompts, make_token_prompts, pool_by
                for tail in make_token_prompts([7, 30], seed=2)]
     assert [o.num_cached_tokens for o in outputs] == [0, 96]
     for output in outputs:
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     no_leaks(llm)
     del llm
 
@@ -90,7 +71,7 @@ def test_cached_prefix_and_preemption(case, prompts, make_token_prompts, pool_by
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
     for output in outputs:
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     no_leaks(llm)
 
 
@@ -101,7 +82,7 @@ def test_n_sampled_sequences_each_match(case, make_token_prompts, no_leaks):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, logprobs=0, ignore_eos=True)
     (output,) = llm.generate(make_token_prompts([150], seed=3), params, use_tqdm=False)
     assert len({tuple(c.token_ids) for c in output.outputs}) == 3
-    assert_matches_reference(hf_model, output, greedy=False)
+    assert_matches_transformers(hf_model, output, greedy=False)
     no_leaks(llm)
 
 
@@ -116,4 +97,4 @@ def test_two_ranks(parallel, case, prompts):
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     llm.shutdown()
     for output in outputs:
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)

@@ -9,13 +9,8 @@ logits are within 0.02 (a float near-tie).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
+from teacher_forcing import assert_matches_transformers, check_teacher_forced, greedy_with_backend
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels.decoder import FusedDecoder
@@ -23,8 +18,6 @@ from pagellm.kernels.decoder import FusedDecoder
 WINDOW = 16  # tests/conftest.py's "mistral" entry
 PROMPT_LENS = [5, 17, 100, 190, 300]
 NEW_TOKENS = 12
-NEAR_TIE = 0.02
-LOGPROB_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -35,27 +28,6 @@ def model_dir(tiny_model_factory):
 @pytest.fixture(scope="module")
 def prompts(make_token_prompts):
     return make_token_prompts(PROMPT_LENS, seed=29)
-
-
-def reference_logprobs(hf_model, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    """[len(generated), vocab]: log p(. | prompt + generated[:i]) from one uncached transformers forward pass."""
-    with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + generated])).logits[0]
-    return logits[len(prompt) - 1:-1].float().log_softmax(-1)
-
-
-def assert_matches_reference(hf_model, output, greedy: bool = True) -> None:
-    prompt = output.prompt_token_ids
-    for completion in output.outputs:
-        tokens = completion.token_ids
-        reference = reference_logprobs(hf_model, prompt, tokens)
-        ours = torch.tensor([entry[t].logprob for entry, t in zip(completion.logprobs, tokens)])
-        expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        torch.testing.assert_close(ours, expected, rtol=0, atol=LOGPROB_TOLERANCE,
-                                   msg=f"{len(prompt)}-token prompt, sequence {completion.index}")
-        if greedy:  # a token may only differ from transformers' choice on a near-tie
-            margins = reference.max(-1).values - expected
-            assert (margins < NEAR_TIE).all(), (len(prompt), margins)
 
 
 def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
@@ -76,7 +48,7 @@ def test_greedy_matches_transformers(overrides, model_dir, prompts, hf_model, no
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     for output in outputs:
         assert len(output.outputs[0].token_ids) == NEW_TOKENS
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     model = llm.llm_engine.engine_core.executor.collective_rpc("__getattribute__", "model_runner")[0].model
     assert isinstance(model.fused_decoder(), FusedDecoder), "the decode steps ran the fused C step, with its windows"
     no_leaks(llm)
@@ -93,7 +65,7 @@ def test_prefix_longer_than_the_window_from_the_cache(model_dir, make_token_prom
     assert outputs[0].num_cached_tokens == 0
     assert outputs[1].num_cached_tokens == 96 > WINDOW
     for output in outputs:
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     no_leaks(llm)
 
 
@@ -105,7 +77,7 @@ def test_preempted_and_recomputed_sequences_match(model_dir, prompts, hf_model, 
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
     for output in outputs:
-        assert_matches_reference(hf_model, output)
+        assert_matches_transformers(hf_model, output)
     no_leaks(llm)
 
 
@@ -115,24 +87,8 @@ def test_n_sampled_sequences_each_match(model_dir, make_token_prompts, hf_model,
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
     (output,) = llm.generate(make_token_prompts([150], seed=3), params, use_tqdm=False)
     assert len({tuple(c.token_ids) for c in output.outputs}) == 4
-    assert_matches_reference(hf_model, output, greedy=False)
+    assert_matches_transformers(hf_model, output, greedy=False)
     no_leaks(llm)
-
-
-BACKEND_SCRIPT = """
-import json, sys
-import torch
-from pagellm import LLM, SamplingParams
-from pagellm.model_executor.layers.attention import attention_backend
-llm = LLM(model=sys.argv[1], max_model_len=512, kv_cache_memory_bytes=8 << 20, block_size=8,
-          max_num_batched_tokens=48)
-params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True, logprobs=0)
-out = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
-print(json.dumps({"backend": attention_backend("cpu", torch.float32),
-                  "outputs": [[o.prompt_token_ids, o.outputs[0].token_ids,
-                               [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]]
-                              for o in out]}))
-"""
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -140,15 +96,5 @@ def test_forced_attention_backend_matches_transformers(backend, model_dir, promp
     """PAGELLM_ATTENTION_BACKEND=torch (or triton, under Triton's interpreter here) runs every decode and prefill
     chunk through that backend's windowed attention (no fused C step): the same tokens and logprobs. The switch is
     read once per process, so the run is a separate one."""
-    env = dict(os.environ, PAGELLM_ATTENTION_BACKEND=backend, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)  # the engine switches the interpreter on itself, on the CPU
-    result = subprocess.run([sys.executable, "-c", BACKEND_SCRIPT, str(model_dir), json.dumps(prompts),
-                             str(NEW_TOKENS)], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["backend"] == backend
-    for prompt, tokens, logprobs in report["outputs"]:
-        reference = reference_logprobs(hf_model, prompt, tokens)
-        expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(logprobs), expected, rtol=0, atol=LOGPROB_TOLERANCE)
-        assert ((reference.max(-1).values - expected) < NEAR_TIE).all()
+    for prompt, tokens, logprobs in greedy_with_backend(backend, model_dir, prompts, NEW_TOKENS):
+        check_teacher_forced(hf_model, prompt, tokens, logprobs)
