@@ -21,9 +21,10 @@ from pagellm.entrypoints.openai.serving_engine import (
     TokensPrompt,
     accumulate,
     chain_first,
+    first_and_rest,
+    salted,
     usage,
 )
-from pagellm.entrypoints.utils import merge_async_iterators
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -75,16 +76,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                  request_id: str) -> tuple[IndexedOutput, AsyncGenerator[IndexedOutput, None]]:
         """As `start`: submit a beam search per prompt and wait for the first to finish, so a bad request fails
         before any response is sent."""
-        if request.cache_salt is not None:
-            prompts = [{**prompt, "cache_salt": request.cache_salt} for prompt in prompts]
-        merged = merge_async_iterators(*(self._beam_search(prompt, request, f"{request_id}-{i}")
-                                         for i, prompt in enumerate(prompts)))
-        try:
-            first = await anext(merged)
-        except BaseException:
-            await merged.aclose()
-            raise
-        return first, merged
+        return await first_and_rest(self._beam_search(prompt, request, f"{request_id}-{i}")
+                                    for i, prompt in enumerate(salted(prompts, request)))
 
     async def _beam_search(self, prompt: TokensPrompt, request: CompletionRequest,
                            request_id: str) -> AsyncGenerator[RequestOutput, None]:

@@ -4,7 +4,7 @@ outputs into whole completions."""
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from http import HTTPStatus
 from typing import Any
 
@@ -105,17 +105,28 @@ class OpenAIServing:
         """Submit every prompt (with the request's cache_salt and priority) and wait for the first output, so that
         a bad request fails before any response is sent. Returns that first (prompt index, output) and the merged
         stream of the rest."""
-        if request.cache_salt is not None:
-            prompts = [{**prompt, "cache_salt": request.cache_salt} for prompt in prompts]
-        streams = [self.engine.generate(prompt, params, f"{request_id}-{i}", request.priority)
-                   for i, prompt in enumerate(prompts)]
-        merged = merge_async_iterators(*streams)
-        try:
-            first = await anext(merged)
-        except BaseException:
-            await merged.aclose()
-            raise
-        return first, merged
+        return await first_and_rest(self.engine.generate(prompt, params, f"{request_id}-{i}", request.priority)
+                                    for i, prompt in enumerate(salted(prompts, request)))
+
+
+def salted(prompts: list[TokensPrompt], request: SamplingRequest) -> list[TokensPrompt]:
+    """The prompts with the request's cache_salt, if it has one."""
+    if request.cache_salt is None:
+        return prompts
+    return [{**prompt, "cache_salt": request.cache_salt} for prompt in prompts]
+
+
+async def first_and_rest(
+        streams: Iterable[AsyncIterator[RequestOutput]]) -> tuple[IndexedOutput, AsyncGenerator[IndexedOutput, None]]:
+    """Merge the streams and wait for the first output (so a bad request fails before any response is sent):
+    that first (prompt index, output) and the merged stream of the rest."""
+    merged = merge_async_iterators(*streams)
+    try:
+        first = await anext(merged)
+    except BaseException:
+        await merged.aclose()
+        raise
+    return first, merged
 
 
 async def chain_first(first: IndexedOutput,
