@@ -7,9 +7,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from test_gguf_loader import ARCHITECTURES, write_tiny_gguf
-from test_k_quants import float32_error_bound
+from test_k_quants import assert_greedy_within_float32_error
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K], ids=lambda t: t.name)
@@ -27,17 +27,4 @@ def test_family_file_runs_packed_and_matches_transformers(tmp_path, arch, qtype)
     float_bytes = 4 * sum(w.size for w in hf_weights.values() if w.ndim == 2)
     assert weight_bytes < float_bytes / 3  # packed
 
-    prompts = [{"prompt_token_ids": [5, 17, 100, 42, 7]}, {"prompt_token_ids": list(range(3, 40))}]
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
-    for out in llm.generate(prompts, params, use_tqdm=False):
-        tokens = out.prompt_token_ids + out.outputs[0].token_ids
-        with torch.inference_mode():
-            hidden = reference_model.model(torch.tensor([tokens])).last_hidden_state[0]
-            reference = reference_model.lm_head(hidden).log_softmax(dim=-1)
-            bound = float32_error_bound(hidden, reference_model.lm_head.weight, reference)
-        start = len(out.prompt_token_ids) - 1
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            assert out.outputs[0].token_ids[step] == int(reference[start + step].argmax())
-            for token, logprob in entry.items():
-                expected = reference[start + step, token].item()
-                assert logprob.logprob == pytest.approx(expected, abs=bound[start + step, token].item())
+    assert_greedy_within_float32_error(llm, reference_model)

@@ -52,6 +52,12 @@ def test_k_quant_file_runs_packed_and_matches_transformers(tmp_path, qtype):
     float_bytes = 4 * sum(w.size for w in hf_weights.values() if w.ndim == 2)
     assert weight_bytes < float_bytes / 4  # packed: 2.6 (Q2_K) to 6.6 (Q6_K) bits per weight
 
+    assert_greedy_within_float32_error(llm, reference_model)
+
+
+def assert_greedy_within_float32_error(llm: LLM, reference_model) -> None:
+    """Two prompts, 8 greedy tokens each: every token is the float64 reference's argmax, and each of its top-3
+    logprobs is within `float32_error_bound` of the reference's."""
     prompts = [{"prompt_token_ids": [5, 17, 100, 42, 7]}, {"prompt_token_ids": list(range(3, 40))}]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
     for out in llm.generate(prompts, params, use_tqdm=False):
