@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from pagellm import LLM, SamplingParams
+from pagellm.model_executor.layers.mlp import GatedMLP
 from pagellm.model_executor.layers.moe import MixtureOfExperts
-from pagellm.model_executor.models.llama import LlamaMLP
 from pagellm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 
 
@@ -37,7 +37,7 @@ def test_layers_and_checkpoint_names(tiny_model_factory):
     llm = LLM(model=str(model_dir), max_model_len=128, kv_cache_memory_bytes=4 << 20)
     model = model_of(llm)
     assert isinstance(model, Qwen3MoeForCausalLM)
-    assert [type(layer.mlp) for layer in model.layers] == [MixtureOfExperts, LlamaMLP, MixtureOfExperts]
+    assert [type(layer.mlp) for layer in model.layers] == [MixtureOfExperts, GatedMLP, MixtureOfExperts]
     moe = model.layers[2].mlp
     assert (moe.num_experts, moe.top_k, moe.renormalize) == (8, 2, True)
     checkpoint = load_file(model_dir / "model.safetensors")
@@ -59,7 +59,7 @@ def test_unnormalised_top_k_every_other_layer_matches_transformers(tiny_model_fa
     model_dir = tiny_model_factory("qwen3_moe", norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     llm = LLM(model=str(model_dir), max_model_len=128, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=16)
-    assert [type(layer.mlp) for layer in model_of(llm).layers] == [LlamaMLP, MixtureOfExperts, LlamaMLP]
+    assert [type(layer.mlp) for layer in model_of(llm).layers] == [GatedMLP, MixtureOfExperts, GatedMLP]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
     for output in llm.generate(make_token_prompts([5, 40], seed=4), params, use_tqdm=False):
         tokens = output.outputs[0].token_ids

@@ -14,21 +14,8 @@ from torch import nn
 
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.model_executor.layers.activation import SiluAndMul
-from pagellm.model_executor.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
-
-
-class ExpertMLP(nn.Module):
-    """One expert: silu(x W_gate) * (x W_up) W_down, with this rank's slice of the intermediate dimension."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
-        self.act = SiluAndMul()
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the output, before the sum over ranks."""
-        return self.down_proj.matmul(self.act(self.gate_up_proj(x)))
+from pagellm.model_executor.layers.linear import Linear
+from pagellm.model_executor.layers.mlp import GatedMLP
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +36,7 @@ class MixtureOfExperts(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and num_experts ({num_experts}).")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = Linear(hidden_size, num_experts)  # the router, whole on every rank
-        self.experts = nn.ModuleList(ExpertMLP(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, SiluAndMul()) for _ in range(num_experts))
         self.tp = get_tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ from pagellm.distributed.parallel_state import get_pp_group
 from pagellm.model_executor.layers.activation import GeluAndMul
 from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, layer_sliding_window
 from pagellm.model_executor.layers.layernorm import GemmaRMSNorm
-from pagellm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagellm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagellm.model_executor.layers.mlp import GatedMLP
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagellm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -55,23 +56,11 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), kv_cache, meta))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=False)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
-        self.act = GeluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config, index: int) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(config, index)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, GeluAndMul())
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)

@@ -25,10 +25,10 @@ from pagellm.model_executor.layers.attention import Attention, AttentionMetadata
 from pagellm.model_executor.layers.layernorm import RMSNorm
 from pagellm.model_executor.layers.linear import (
     KERNEL_MAX_ROWS,
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
+from pagellm.model_executor.layers.mlp import GatedMLP
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagellm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -64,19 +64,6 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(rope, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -128,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, config, index: int) -> nn.Module:
         """Layer `index`'s MLP; a family whose layers differ there (a mixture of experts) overrides it."""
-        return LlamaMLP(config)
+        return GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul(),
+                        bias=getattr(config, "mlp_bias", False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor | None:
