@@ -18,6 +18,12 @@ from pagellm.model_executor.layers.quantization import PackedTensor
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 StackedParams = dict[str, tuple[str, int]]
 
+# How Hugging Face checkpoints name the projections the models here fuse (Llama's names, which most families share).
+FUSED_QKV_GATE_UP: StackedParams = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | PackedTensor]], quantization: str,
                  stacked_params: StackedParams, skip: Callable[[str], bool]) -> set[str]:

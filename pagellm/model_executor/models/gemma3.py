@@ -27,7 +27,7 @@ from pagellm.model_executor.layers.mlp import GatedMLP
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagellm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagellm.model_executor.model_loader.weight_utils import StackedParams, load_weights
+from pagellm.model_executor.model_loader.weight_utils import FUSED_QKV_GATE_UP, StackedParams, load_weights
 from pagellm.model_executor.models.pipeline import StageLayers, held_elsewhere
 
 
@@ -76,10 +76,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(nn.Module):
     # checkpoint name fragment -> (fused parameter fragment, shard index)
-    stacked_params: StackedParams = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    stacked_params: StackedParams = FUSED_QKV_GATE_UP
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
