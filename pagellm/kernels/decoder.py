@@ -1,5 +1,5 @@
-"""The binding of `decoder_cpu.c`: the decoder layers of a Llama-family model in one C call per decode step, for
-float32 on the CPU.
+"""The binding of `decoder_cpu.c`: the decoder layers of a Llama-family or Gemma 3 model in one C call per decode
+step, for float32 on the CPU.
 
 Owns the C library's ctypes signatures (`SIGNATURES`), the mirrors of its structs (`_Layer`, `_Decoder`) and
 `FusedDecoder`, which the model builds from its layers' kernels and weights (`LayerWeights`). The C side strings
@@ -35,18 +35,21 @@ SIGNATURES: dict[str, Signature] = {
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _PTR) for name in (
         "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
-        "input_norm", "post_norm", "q_norm", "k_norm", "key_cache", "value_cache")),
+        "input_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "cos_table", "sin_table",
+        "key_cache", "value_cache")),
         ("sliding_window", _I64)]
 
 
 # Mirrors decoder_cpu.c's pagellm_decoder; the function pointers are addresses in the other kernels' libraries.
 class _Decoder(ctypes.Structure):
-    _fields_ = [*((name, _PTR) for name in ("matmul", "rms_norm", "silu_and_mul", "rope", "write_cache",
+    _fields_ = [*((name, _PTR) for name in ("matmul", "rms_norm", "act_and_mul", "rope", "write_cache",
                                              "attention")),
                 *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
                                             "block_size", "num_layers", "kv_type")),
-                ("eps", _F32), ("scale", _F32), ("cos_table", _PTR), ("sin_table", _PTR),
-                ("layers", ctypes.POINTER(_Layer))]
+                ("eps", _F32), ("scale", _F32), ("layers", ctypes.POINTER(_Layer))]
+
+# The MLP activations the C side has, by the name FusedDecoder takes.
+ACTIVATIONS = {"silu": "silu_and_mul_f32", "gelu_tanh": "gelu_tanh_and_mul_f32"}
 
 
 @cache
@@ -73,20 +76,28 @@ def _address(function) -> int:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer's kernels and float tensors (biases, norms: None when the model has none), and its
-    attention's sliding window (None: the whole sequence)."""
+    """One decoder layer's kernels and float tensors (biases, norms: None when the model has none), its RoPE tables
+    (RotaryEmbedding's cos/sin caches) and its attention's sliding window (None: the whole sequence).
+
+    `input_norm` and `mlp_norm` normalise the attention's and the MLP's inputs (Llama's input_layernorm and
+    post_attention_layernorm); `attn_out_norm` and `mlp_out_norm` normalise their outputs before the residual adds
+    (Gemma 3's post-norms)."""
     qkv: linear.PackedMatmul
     o: linear.PackedMatmul
     gate_up: linear.PackedMatmul
     down: linear.PackedMatmul
     input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
     sliding_window: int | None = None
 
 
@@ -94,25 +105,23 @@ class FusedDecoder:
     """Runs every decoder layer for a batch of decoding sequences in one call."""
 
     def __init__(self, layers: list[LayerWeights], *, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
+                 intermediate: int, eps: float, scale: float, activation: str = "silu") -> None:
         self._weights = layers  # keeps every tensor the C side points at alive
-        self._tables = (cos_table, sin_table)
         self._layers = (_Layer * len(layers))()
         for struct, w in zip(self._layers, layers):
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(struct, name, getattr(w, name).pointer)
-            for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "input_norm", "post_norm", "q_norm",
-                         "k_norm"):
+            for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "input_norm", "mlp_norm", "q_norm",
+                         "k_norm", "attn_out_norm", "mlp_out_norm", "cos_table", "sin_table"):
                 tensor = getattr(w, name)
                 setattr(struct, name, None if tensor is None else tensor.data_ptr())
             struct.sliding_window = w.sliding_window or 0
         lib_linear, lib_elementwise, lib_attention = linear.loaded(), elementwise.loaded(), paged_attention.loaded()
         self._decoder = _Decoder(
             _address(lib_linear.pagellm_matmul), _address(lib_elementwise.rms_norm_f32),
-            _address(lib_elementwise.silu_and_mul_f32), _address(lib_elementwise.rope_f32),
+            _address(getattr(lib_elementwise, ACTIVATIONS[activation])), _address(lib_elementwise.rope_f32),
             _address(lib_attention.reshape_and_cache), _address(lib_attention.paged_decode_attention),
-            hidden, heads, kv_heads, head_dim, intermediate, 0, 0, len(layers), 0, eps, head_dim ** -0.5,
-            cos_table.data_ptr(), sin_table.data_ptr(), self._layers)
+            hidden, heads, kv_heads, head_dim, intermediate, 0, 0, len(layers), 0, eps, scale, self._layers)
         self._caches: list[torch.Tensor] | None = None
         self._run = loaded().pagellm_decoder_forward
 

@@ -1,4 +1,5 @@
-"""The binding of `elementwise_cpu.c`: RMSNorm, SiLU-and-multiply and RoPE for float32 tensors on the CPU.
+"""The binding of `elementwise_cpu.c`: RMSNorm, SiLU- and tanh-GELU-and-multiply and RoPE for float32 tensors on the
+CPU.
 
 Owns the C library's ctypes signatures (`SIGNATURES`), its build flags and the Python callers. One C call each
 instead of several PyTorch operators; the layers use them where `applies(x)` and keep their PyTorch path otherwise
@@ -25,6 +26,8 @@ SIGNATURES: dict[str, Signature] = {
     "rms_norm_f32": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     # void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads);
     "silu_and_mul_f32": (None, [_PTR, _PTR, _I64, _I64, _INT]),
+    # void gelu_tanh_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int nthreads);
+    "gelu_tanh_and_mul_f32": (None, [_PTR, _PTR, _I64, _I64, _INT]),
     # void rope_f32(float *x, int64_t tokens, int64_t heads, int64_t token_stride, int64_t dim,
     #               const int64_t *positions, const float *cos_table, const float *sin_table);
     "rope_f32": (None, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]),
@@ -33,7 +36,7 @@ SIGNATURES: dict[str, Signature] = {
 
 @cache
 def load() -> ctypes.CDLL | None:
-    return load_library(SOURCE, _FLAGS + isa_flags(), "RMSNorm, SiLU and RoPE", SIGNATURES)
+    return load_library(SOURCE, _FLAGS + isa_flags(), "RMSNorm, SiLU, GELU and RoPE", SIGNATURES)
 
 
 def loaded() -> ctypes.CDLL:
@@ -67,10 +70,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :d]) * x[..., d:] for contiguous x [..., 2d]."""
+    return _gated(loaded().silu_and_mul_f32, x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x[..., :d], approximate="tanh") * x[..., d:] for contiguous x [..., 2d]."""
+    return _gated(loaded().gelu_tanh_and_mul_f32, x)
+
+
+def _gated(function, x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     _check_float32(x)
     out = torch.empty((*x.shape[:-1], d), dtype=torch.float32)
-    loaded().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
+    function(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d, torch.get_num_threads())
     return out
 
 

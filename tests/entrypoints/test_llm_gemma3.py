@@ -17,6 +17,7 @@ import torch
 from teacher_forcing import assert_matches_transformers, check_teacher_forced, greedy_with_backend
 
 from pagellm import LLM, SamplingParams
+from pagellm.kernels.decoder import FusedDecoder
 
 PROMPT_LENS = [5, 17, 100, 190, 300]
 NEW_TOKENS = 12
@@ -46,7 +47,8 @@ def test_greedy_matches_transformers(overrides, model_dir, prompts, hf_model, no
         assert len(output.outputs[0].token_ids) == NEW_TOKENS
         assert_matches_transformers(hf_model, output)
     model = llm.llm_engine.engine_core.executor.collective_rpc("__getattribute__", "model_runner")[0].model
-    assert type(model).__name__ == "Gemma3ForCausalLM" and not hasattr(model, "fused_decoder")
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    assert isinstance(model.fused_decoder(), FusedDecoder), "the decode steps ran the fused C step"
     no_leaks(llm)
 
 

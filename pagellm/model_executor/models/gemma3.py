@@ -8,8 +8,8 @@ RoPE parameters (one RotaryEmbedding per layer type); a tied LM head; and, where
 soft-capping, tanh(logits / cap) * cap.
 
 Tensor and pipeline parallelism are Llama's (see llama.py): the same parallel layers, StageLayers and weight
-loader. The one-call CPU decode step (fused_cpu_decoder.py) implements the Llama layer only, so it is never built
-here: every step runs the modules below.
+loader, and so is the one-call CPU decode step (fused_cpu_decoder.py), given each layer's RoPE tables and the parts
+its four norms play.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagellm.distributed.parallel_state import get_pp_group
+from pagellm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagellm.kernels.decoder import FusedDecoder
 from pagellm.model_executor.layers.activation import GeluAndMul
 from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, layer_sliding_window
 from pagellm.model_executor.layers.layernorm import GemmaRMSNorm
@@ -28,6 +29,7 @@ from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagellm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagellm.model_executor.model_loader.weight_utils import FUSED_QKV_GATE_UP, StackedParams, load_weights
+from pagellm.model_executor.models.fused_cpu_decoder import FusedDecodeStep, LayerNorms, build_fused_decoder
 from pagellm.model_executor.models.pipeline import StageLayers, held_elsewhere
 
 
@@ -73,8 +75,13 @@ class Gemma3DecoderLayer(nn.Module):
         hidden = hidden + self.post_attention_layernorm(attn_out)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
+    def norms(self) -> LayerNorms:
+        return LayerNorms(self.input_layernorm, self.pre_feedforward_layernorm,
+                          attn_out=self.post_attention_layernorm, mlp_out=self.post_feedforward_layernorm)
+
 
 class Gemma3ForCausalLM(nn.Module):
+    use_fused_decoder = True  # tests switch it off to compare against the module-by-module path
     # checkpoint name fragment -> (fused parameter fragment, shard index)
     stacked_params: StackedParams = FUSED_QKV_GATE_UP
 
@@ -97,6 +104,10 @@ class Gemma3ForCausalLM(nn.Module):
         self.layers = self.stage.layers
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.fused_step = FusedDecodeStep(lambda: build_fused_decoder(
+            self.stage.own, config, get_tp_group().world_size,
+            rotary_of=lambda layer: self.rotary_embs[layer.self_attn.layer_type],
+            norms_of=Gemma3DecoderLayer.norms) if self.use_fused_decoder else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor | None:
@@ -107,14 +118,26 @@ class Gemma3ForCausalLM(nn.Module):
         else:
             hidden = self.pp.recv_prev((input_ids.shape[0], self.config.hidden_size), self.embed_scale.dtype,
                                        input_ids.device)
-        ropes = {layer_type: rotary.tables(positions, hidden) for layer_type, rotary in self.rotary_embs.items()}
-        for layer, kv_cache in zip(self.stage.own, kv_caches, strict=True):
-            layer_type = layer.self_attn.layer_type
-            hidden = layer(self.rotary_embs[layer_type], ropes[layer_type], hidden, kv_cache, meta)
+        hidden = self._run_layers(hidden, positions, kv_caches, meta)
         if not self.pp.is_last_rank:
             self.pp.send_next(hidden)
             return None
         return self.norm(hidden)
+
+    def _run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor:
+        fused = self.fused_step.run(hidden, positions, kv_caches, meta)
+        if fused is not None:
+            return fused
+        ropes = {layer_type: rotary.tables(positions, hidden) for layer_type, rotary in self.rotary_embs.items()}
+        for layer, kv_cache in zip(self.stage.own, kv_caches, strict=True):
+            layer_type = layer.self_attn.layer_type
+            hidden = layer(self.rotary_embs[layer_type], ropes[layer_type], hidden, kv_cache, meta)
+        return hidden
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """Every layer of a decode step in one C call, built on first use; None where it does not apply."""
+        return self.fused_step.decoder
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (on every tensor-parallel rank of the last pipeline stage)."""

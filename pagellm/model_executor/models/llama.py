@@ -23,17 +23,13 @@ from pagellm.kernels.decoder import FusedDecoder
 from pagellm.model_executor.layers.activation import SiluAndMul
 from pagellm.model_executor.layers.attention import Attention, AttentionMetadata, layer_sliding_window
 from pagellm.model_executor.layers.layernorm import RMSNorm
-from pagellm.model_executor.layers.linear import (
-    KERNEL_MAX_ROWS,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from pagellm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagellm.model_executor.layers.mlp import GatedMLP
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from pagellm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.model_executor.model_loader.weight_utils import FUSED_QKV_GATE_UP, StackedParams, load_weights
-from pagellm.model_executor.models.fused_cpu_decoder import build_fused_decoder
+from pagellm.model_executor.models.fused_cpu_decoder import FusedDecodeStep, build_fused_decoder
 from pagellm.model_executor.models.pipeline import StageLayers, held_elsewhere
 
 
@@ -108,7 +104,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
         has_lm_head = is_last and not self.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if has_lm_head else None
-        self._fused: FusedDecoder | bool | None = None  # None: not built yet; False: does not apply
+        self.fused_step = FusedDecodeStep(lambda: build_fused_decoder(
+            self.stage.own, config, self.tp_size, rotary_of=lambda layer: self.rotary_emb)
+            if self.use_fused_decoder else None)
 
     def make_mlp(self, config, index: int) -> nn.Module:
         """Layer `index`'s MLP; a family whose layers differ there (a mixture of experts) overrides it."""
@@ -133,9 +131,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     meta: AttentionMetadata) -> torch.Tensor:
-        if not meta.prefills and meta.num_decodes <= KERNEL_MAX_ROWS and self.fused_decoder() is not None:
-            return self._fused.forward(hidden, positions, kv_caches, meta.slot_mapping, meta.decode_block_tables,
-                                       meta.decode_seq_lens)
+        fused = self.fused_step.run(hidden, positions, kv_caches, meta)
+        if fused is not None:
+            return fused
         rope = self.rotary_emb.tables(positions, hidden)
         for layer, kv_cache in zip(self.stage.own, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, meta)
@@ -144,11 +142,7 @@ class LlamaForCausalLM(nn.Module):
     def fused_decoder(self) -> FusedDecoder | None:
         """Every layer of a decode step in one C call (see fused_cpu_decoder.py), built on first use; None where it
         does not apply, and then the modules run one by one."""
-        if self._fused is None:
-            fused = (build_fused_decoder(self.stage.own, self.rotary_emb, self.config, self.tp_size)
-                     if self.use_fused_decoder else None)
-            self._fused = fused or False
-        return self._fused or None
+        return self.fused_step.decoder
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (on every tensor-parallel rank of the last pipeline stage)."""
