@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from pagellm import __version__, envs
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.anthropic_errors import AnthropicErrorMiddleware
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
 from pagellm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from pagellm.entrypoints.openai.errors import register_error_handlers
@@ -74,6 +75,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(AnthropicErrorMiddleware)  # rewrites every error above on the Anthropic routes
     for router in ROUTERS:
         app.include_router(router)
     add_web_routes(app, engine, state.history, api_key_required=bool(config.api_key))

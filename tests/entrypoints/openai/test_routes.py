@@ -1,6 +1,7 @@
 """The OpenAI API's routers (`entrypoints/openai/routes/`): every router module is included, every route is in the
-served OpenAPI spec with exactly the responses it documents (200, its error statuses with OpenAI's error body,
-never FastAPI's 422), nothing else is, and handlers are plain module functions (their state comes from the app)."""
+served OpenAPI spec with exactly the responses it documents (200, its error statuses with OpenAI's error body or,
+on /v1/messages, Anthropic's, never FastAPI's 422), nothing else is, and handlers are plain module functions (their
+state comes from the app)."""
 from __future__ import annotations
 
 import importlib
@@ -19,6 +20,7 @@ from pagellm.entrypoints.openai.api_server import ServerConfig, build_app
 from pagellm.entrypoints.openai.routes import ROUTERS
 
 ERROR_BODY = {"$ref": "#/components/schemas/ErrorResponse"}
+ANTHROPIC_ERROR_BODY = {"$ref": "#/components/schemas/AnthropicErrorResponse"}  # on /v1/messages...
 
 
 def router_routes() -> list[APIRoute]:
@@ -59,4 +61,5 @@ def test_the_spec_lists_every_route_with_its_documented_responses(spec):
                 if status != "200":
                     # (/metrics lists its errors under text/plain, its response class's media type.)
                     schemas = [body["schema"] for body in response["content"].values()]
-                    assert schemas == [ERROR_BODY], (route.path, status)
+                    expected = ANTHROPIC_ERROR_BODY if route.path.startswith("/v1/messages") else ERROR_BODY
+                    assert schemas == [expected], (route.path, status)

@@ -21,7 +21,8 @@ SEED = 20250101
 FUZZING_EXAMPLES_PER_OPERATION = 150
 MIN_CASES = 1000
 EXPECTED_OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
-                       "GET /v1/models", "GET /health", "GET /version", "GET /metrics", "GET /tokenizer_info"}
+                       "GET /v1/models", "GET /health", "GET /version", "GET /metrics", "GET /tokenizer_info",
+                       "POST /v1/messages", "POST /v1/messages/count_tokens"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 # Generous: a fuzzed request on a 48-token context finishes in well under a second; this only stops a hang.
 REQUEST_TIMEOUT_S = 30

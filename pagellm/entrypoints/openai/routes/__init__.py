@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from pagellm.entrypoints.openai.routes import chat, completions, health, metrics, models, tokenization, tokenizer_info
+from pagellm.entrypoints.openai.routes import (
+    chat,
+    completions,
+    health,
+    messages,
+    metrics,
+    models,
+    tokenization,
+    tokenizer_info,
+)
 
 ROUTERS: tuple[APIRouter, ...] = (
     health.router,  # /health, /version
@@ -17,6 +26,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     models.router,  # /v1/models
     completions.router,  # /v1/completions
     chat.router,  # /v1/chat/completions
+    messages.router,  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
     tokenization.router,  # /tokenize, /detokenize
     tokenizer_info.router,  # /tokenizer_info
 )
