@@ -52,6 +52,32 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+# How a model runs (vLLM's --runner): "generate" serves completions (and also embeds and scores, prefill-only, in
+# the same batches); "pooling" serves embeddings and scores only (/score then compares embeddings by cosine).
+# "auto" is "generate" for every supported architecture (all causal LMs): an embedding checkpoint such as
+# Qwen3-Embedding (a plain Qwen3ForCausalLM) needs --runner pooling.
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's PoolerConfig.pooling_type names
+
+
+@dataclass(kw_only=True)
+class PoolerConfig:
+    """How embeddings are pooled from the final-norm hidden states of the prompt (vLLM's PoolerConfig): the last
+    token's (causal LMs' default, and Qwen3-Embedding's), the mean over the prompt, or the first token's (CLS);
+    L2-normalised unless `normalize` is False (a request's own `normalize` overrides it)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}; "
+                             f"fix --pooler-config.")
+        self.pooling_type = self.pooling_type.upper()
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}; fix --pooler-config.")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     model: str  # local Hugging Face-style checkpoint directory
@@ -67,6 +93,8 @@ class ModelConfig:
     quantize_activations: bool = False  # int8 activations for packed weights (linear_int8.inc)
     gguf_file: str | None = None  # the GGUF file the checkpoint directory was converted from
     enforce_eager: bool = False  # CUDA: no decode graphs
+    runner: str = "generate"  # "generate" or "pooling" (RUNNERS; "auto" is resolved by EngineArgs)
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
 
     @property
     def num_layers(self) -> int:
@@ -220,6 +248,15 @@ class StructuredOutputsConfig:
     # JSON schemas' objects admit only the properties they name unless the schema says otherwise (vLLM's
     # xgrammar default; a request's own `disable_additional_properties` overrides it). See structured_output/.
     disable_additional_properties: bool = True
+    # vLLM's --reasoning-parser: how outputs split into reasoning and content (see pagellm/reasoning/), and the tags
+    # a request's thinking_token_budget counts between. None: no reasoning output.
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        from pagellm.reasoning import get_reasoning_parser
+
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
 
 
 @dataclass(kw_only=True)

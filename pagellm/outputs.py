@@ -1,7 +1,10 @@
-"""User-facing result types (vLLM's names): one RequestOutput per prompt, one CompletionOutput per sample."""
+"""User-facing result types (vLLM's names): one RequestOutput per prompt, one CompletionOutput per sample; for
+pooling requests one PoolingRequestOutput per prompt (EmbeddingRequestOutput as `LLM.embed` returns it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 # One position's logprobs as the engine carries them: (token ids, logprobs, ranks), the chosen token first, then
 # the top-k.
@@ -42,3 +45,49 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Prompt tokens whose K/V came from the prefix cache (None until the request was first scheduled).
     num_cached_tokens: int | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (float32): an embedding, or the logits a classify request asked for."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of a pooling request (vLLM's shape): one vector for the prompt, once its prefill is done."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int | None = None  # prompt tokens whose K/V came from the prefix cache
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt (vLLM's): `.outputs.embedding` is the list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput.from_base(output.outputs), output.prompt_token_ids,
+                   output.finished)

@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.request import StructuredOutputRequest
 
@@ -83,6 +86,12 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
 
+    # A pooling request (embeddings, scores) runs its prompt only and finishes with a vector instead of a token;
+    # its `sampling_params` are then a placeholder that samples nothing. `pooled_data` is the sum of the pooled
+    # contributions of the chunks computed so far (see model_executor/layers/pooler.py).
+    pooling_params: PoolingParams | None = None
+    pooled_data: np.ndarray | None = None
+
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.group_id = self.group_id or self.request_id
@@ -123,6 +132,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Cached positions are never computed, so a request that needs something from each prompt position (prompt
+        logprobs; mean or CLS pooling) computes them all (vLLM's name)."""
+        pooling = self.pooling_params
+        return self.sampling_params.prompt_logprobs is not None or (pooling is not None
+                                                                    and pooling.skip_reading_prefix_cache)
 
     @property
     def finish_reason(self) -> str | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass, fields
@@ -12,13 +13,16 @@ import torch
 from pagellm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    POOLING_TYPES,
     PREEMPTION_MODES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
     resolve_device,
@@ -29,6 +33,7 @@ from pagellm.model_executor.layers.rotary_embedding import longrope_limit
 from pagellm.model_executor.model_loader.gguf_loader import gguf_source
 from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir
 from pagellm.model_executor.models.registry import resolve_architecture
+from pagellm.reasoning import REASONING_PARSERS
 
 
 @dataclass
@@ -68,6 +73,12 @@ class EngineArgs:
     # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/sched/async_scheduling.py).
     async_scheduling: bool = SchedulerConfig.async_scheduling
     structured_outputs_disable_additional_properties: bool = StructuredOutputsConfig.disable_additional_properties
+    reasoning_parser: str | None = StructuredOutputsConfig.reasoning_parser
+    runner: str = "auto"  # RUNNERS: "auto" is "generate" (see config.py)
+    # vLLM's PoolerConfig, as a PoolerConfig or its fields ({"pooling_type": "MEAN", "normalize": False}); None: the
+    # model's default (PoolerConfig()). `pooling` sets only its pooling_type (pagellm's shorthand, --pooling).
+    pooler_config: PoolerConfig | dict | None = None
+    pooling: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -108,6 +119,8 @@ class EngineArgs:
             quantize_activations=self.quantize_activations,
             gguf_file=str(gguf_file) if gguf_file else None,
             enforce_eager=self.enforce_eager,
+            runner=self._runner(),
+            pooler_config=self._pooler_config(),
         )
         return EngineConfig(
             model_config=model_config,
@@ -126,7 +139,8 @@ class EngineArgs:
             device_config=DeviceConfig(device=device),
             parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(
-                disable_additional_properties=self.structured_outputs_disable_additional_properties),
+                disable_additional_properties=self.structured_outputs_disable_additional_properties,
+                reasoning_parser=self.reasoning_parser),
         )
 
     def _quantization(self, device: torch.device, dtype: torch.dtype, gguf_file: Path | None) -> str:
@@ -143,6 +157,26 @@ class EngineArgs:
             raise ValueError("--quantization gguf needs a .gguf model file; for a float checkpoint use "
                              "--quantization int8 or none.")
         return self.quantization
+
+    def _runner(self) -> str:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}; fix --runner.")
+        return "generate" if self.runner == "auto" else self.runner
+
+    def _pooler_config(self) -> PoolerConfig:
+        config = self.pooler_config
+        if isinstance(config, dict):
+            unknown = set(config) - {"pooling_type", "normalize"}
+            if unknown:
+                raise ValueError(f"--pooler-config takes pooling_type and normalize, got {', '.join(sorted(unknown))}.")
+            config = PoolerConfig(**config)
+        config = config or PoolerConfig()
+        if self.pooling is not None:
+            if self.pooler_config is not None and config.pooling_type != self.pooling.upper():
+                raise ValueError(f"--pooling {self.pooling} contradicts --pooler-config's pooling_type "
+                                 f"{config.pooling_type}; give one of them.")
+            config = PoolerConfig(pooling_type=self.pooling, normalize=config.normalize)
+        return config
 
     def _max_model_len(self, hf_config) -> int:
         # A sliding window (Mistral) does not bound the context: the attention applies it.
@@ -207,6 +241,9 @@ class EngineArgs:
                             help="JSON schemas' objects admit only the properties they name unless the schema sets "
                                  "additionalProperties (a request's structured_outputs.disable_additional_properties "
                                  "overrides it)")
+        parser.add_argument("--reasoning-parser", default=EngineArgs.reasoning_parser, choices=REASONING_PARSERS,
+                            help="split <think>...</think> from the answer into reasoning_content (qwen3, "
+                                 "deepseek_r1); requests may then set thinking_token_budget")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                             default=EngineArgs.enable_prefix_caching,
                             help="reuse the KV blocks of prompt prefixes seen before (--no-enable-prefix-caching "
@@ -242,6 +279,17 @@ class EngineArgs:
                                  "and tp x pp ranks; requests are routed by load and prompt prefix")
         parser.add_argument("--short-first-max-wait", type=float, default=EngineArgs.short_first_max_wait,
                             help="short-first: seconds after which a waiting request goes ahead of shorter ones")
+        parser.add_argument("--runner", default=EngineArgs.runner, choices=RUNNERS,
+                            help="generate: completions, plus embeddings and scores in the same batches; pooling: "
+                                 "an embedding model (embeddings, and /score as cosine similarity), no completions. "
+                                 "auto: generate")
+        parser.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_object,
+                            default=EngineArgs.pooler_config,
+                            help='embedding pooling as JSON, vLLM\'s PoolerConfig: {"pooling_type": "LAST" | "MEAN" '
+                                 '| "CLS", "normalize": true | false} (default: LAST, normalized)')
+        parser.add_argument("--pooling", default=EngineArgs.pooling, type=str.lower,
+                            choices=[t.lower() for t in POOLING_TYPES],
+                            help="shorthand for --pooler-config's pooling_type: last, mean or cls")
         return parser
 
     @classmethod
@@ -267,6 +315,16 @@ def check_parallel_sizes(hf_config, parallel: ParallelConfig) -> None:
     if parallel.pipeline_parallel_size > layers:
         raise ValueError(f"--pipeline-parallel-size {parallel.pipeline_parallel_size} is more than this model's "
                          f"{layers} layers.")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

@@ -33,7 +33,8 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.exceptions import EngineDeadError, InvalidRequestError, request_failure
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import PoolingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = init_logger(__name__)
@@ -105,7 +106,23 @@ class AsyncLLM:
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             await asyncio.to_thread(self.frontend.input_processor.validate_structured_outputs,
                                     sampling_params.structured_outputs)
-        request = self.frontend.process(request_id, prompt, sampling_params, priority)
+        async with aclosing(self._submit(prompt, sampling_params, request_id, priority, arrival)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request (vLLM's name): its prompt is prefilled, in the same batches as generations, and one
+        PoolingRequestOutput is yielded when it is done. Errors and aborts as in generate()."""
+        self._check_alive()
+        async with aclosing(self._submit(prompt, pooling_params, request_id, priority, time.monotonic())) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def _submit(self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str,
+                      priority: int, arrival: float) -> AsyncGenerator[Any, None]:
+        """Validate and queue a request, then its outputs (see `_stream_outputs`)."""
+        request = self.frontend.process(request_id, prompt, params, priority)
         self._check_unused(request_id)
         stream = self._open_stream(request_id, arrival)
         self.frontend.track(request)

@@ -203,7 +203,7 @@ class EngineCore:
         self._consecutive_failed_steps = 0
         collected = time.perf_counter()
         updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
-                                                       result.prompt_logprobs, result.failed)
+                                                       result.prompt_logprobs, result.failed, result.pooler_output)
         self._sample_late_batch()
         outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],
                                     failed=self.scheduler.take_failed_groups())
@@ -236,7 +236,8 @@ class EngineCore:
     @staticmethod
     def _snapshot(request: Request) -> EngineCoreOutput:
         """The sequence's newest token (each update appends exactly one), with its logprobs; prompt logprobs go
-        with the first token of the group's first sequence, when the whole prompt has been computed."""
+        with the first token of the group's first sequence, when the whole prompt has been computed. A pooling
+        request's one snapshot, when it finishes, carries its pooled vector instead."""
         params = request.sampling_params
         first_token = request.num_output_tokens == 1 and request.index == 0
         return EngineCoreOutput(
@@ -247,4 +248,5 @@ class EngineCore:
             else None,
             finish_reason=request.finish_reason if request.is_finished else None,
             stop_reason=request.stop_reason if request.is_finished else None,
-            first_scheduled_time=request.first_scheduled_time, num_cached_tokens=request.num_cached_tokens)
+            first_scheduled_time=request.first_scheduled_time, num_cached_tokens=request.num_cached_tokens,
+            pooled_data=request.pooled_data if request.is_finished else None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagellm.beam_search import BeamSearchOutput
 from pagellm.metrics.stats import SchedulerStats
 from pagellm.outputs import LogprobsEntry
@@ -25,6 +27,8 @@ class EngineCoreOutput:
     stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # A pooling request, once finished: its pooled vector (float32; not yet truncated or normalised).
+    pooled_data: np.ndarray | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pagellm.core.beam_group import BeamGroup
 from pagellm.core.request import Request
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.transformers_utils.tokenizer import get_eos_token_ids, get_tokenizer
 
@@ -30,8 +31,10 @@ class EngineFrontend:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._beam_prompt_lens: dict[str, int] = {}  # live beam searches: request id -> prompt length
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> Request:
-        """Validate and tokenize a request (InvalidRequestError on bad input); `track` it once the core has it."""
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                priority: int = 0) -> Request:
+        """Validate and tokenize a request, generating or pooling (InvalidRequestError on bad input); `track` it
+        once the core has it."""
         return self.input_processor.process(request_id, prompt, params, priority)
 
     def track(self, request: Request) -> None:

@@ -1,9 +1,11 @@
 """Validates and tokenizes what users submit, turning it into engine Requests. Everything that depends on this
 engine (vocabulary, context length, sequence slots, KV pool size, max_logprobs, scheduling policy, prefix caching)
 is checked here, so a request the engine could never serve is refused with an InvalidRequestError naming the field
-and the limit, before it is queued."""
+and the limit, before it is queued. A pooling request (PoolingParams) gets the engine's pooler settings resolved on
+a copy of its parameters, and a placeholder SamplingParams that samples nothing."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pagellm.config import EngineConfig
@@ -11,12 +13,16 @@ from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import LazyBackend
 
 # "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}; a dict may add "cache_salt": "..." (vLLM's).
 PromptType = str | dict[str, Any]
+
+# What a pooling request carries as its sampling parameters: it is never sampled (see Request.pooling_params).
+_PREFILL_ONLY = SamplingParams(max_tokens=1, detokenize=False)
 
 
 class InputProcessor:
@@ -44,9 +50,13 @@ class InputProcessor:
         raise InvalidRequestError(f"A prompt must be a string, {{'prompt': str}} or "
                                   f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}.")
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> Request:
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                priority: int = 0) -> Request:
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, priority)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        self._check_generates()
         self._validate_priority(priority)
         cache_salt = self._cache_salt(prompt)
         text, token_ids = self.tokenize(prompt)
@@ -61,12 +71,44 @@ class InputProcessor:
                        eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text, priority=priority,
                        cache_salt=cache_salt, bad_words_token_ids=bad_words_token_ids)
 
+    def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int) -> Request:
+        """A prefill-only request: its prompt is pooled (see model_executor/layers/pooler.py), nothing sampled."""
+        self._validate_priority(priority)
+        cache_salt = self._cache_salt(prompt)
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt_tokens(token_ids)
+        params = self.resolve_pooling_params(params)
+        self._check_capacity(len(token_ids), _PREFILL_ONLY)
+        return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=_PREFILL_ONLY,
+                       eos_token_ids=frozenset(), max_tokens=1, prompt=text, priority=priority, cache_salt=cache_salt,
+                       pooling_params=params)
+
+    def resolve_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """A copy of `params` with what the engine decides: the pooling type (the engine's; classify reads the last
+        position), normalisation by default, and whether the prefix cache may be read (LAST only). Checks dimensions
+        against the hidden size and returned_token_ids against the vocabulary."""
+        pooler = self.model_config.pooler_config
+        hidden_size = self.model_config.hf_config.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden_size:
+            raise InvalidRequestError(f"dimensions must be at most {hidden_size}, this model's embedding size; got "
+                                      f"{params.dimensions}.")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.returned_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"returned_token_ids token id {bad[0]} is out of range: ids must be in "
+                                      f"[0, {vocab}).")
+        pooling_type = pooler.pooling_type if params.task == "embed" else "LAST"
+        normalize = pooler.normalize if params.normalize is None else params.normalize
+        return dataclasses.replace(params, pooling_type=pooling_type, normalize=normalize,
+                                   skip_reading_prefix_cache=pooling_type != "LAST")
+
     def process_beam_search(self, request_id: str, prompt: PromptType,
                             params: BeamSearchParams) -> tuple[Request, BeamGroup]:
         """The first beam (the prompt) and its group. Every beam samples greedily and reports its
         2 * beam_width most likely next tokens; the group's EOS handling replaces the per-request one."""
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        self._check_generates()
         cache_salt = self._cache_salt(prompt)
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt_tokens(token_ids)
@@ -86,6 +128,11 @@ class InputProcessor:
                           eos_token_ids=self.eos_token_ids, max_tokens=params.max_tokens, prompt=text,
                           cache_salt=cache_salt)
         return request, BeamGroup(request_id, params, self.eos_token_ids)
+
+    def _check_generates(self) -> None:
+        if self.model_config.runner == "pooling":
+            raise InvalidRequestError("This model is served for pooling (--runner pooling): it computes embeddings "
+                                      "and scores, not completions. Start it with --runner generate to generate.")
 
     def _validate_priority(self, priority: int) -> None:
         """As vLLM: a priority only means something to the priority policy, so any other policy refuses one

@@ -13,8 +13,11 @@ from pagellm.engine.frontend import EngineFrontend
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.exceptions import RequestFailedError
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import PoolingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
+
+StepOutput = RequestOutput | PoolingRequestOutput | BeamSearchOutput
 
 
 class LLMEngine:
@@ -44,9 +47,11 @@ class LLMEngine:
     def output_processor(self) -> OutputProcessor:
         return self.frontend.output_processor
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> int:
-        """Validate and queue a request (`priority`: lower runs first, with --scheduling-policy priority); returns
-        its prompt length. Raises ValueError on bad input."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                    priority: int = 0) -> int:
+        """Validate and queue a request, generating (SamplingParams) or pooling (PoolingParams: one
+        PoolingRequestOutput when its prefill is done); `priority`: lower runs first, with --scheduling-policy
+        priority. Returns its prompt length. Raises ValueError on bad input."""
         request = self.frontend.process(request_id, prompt, params, priority)
         self.engine_core.add_request(request)
         self.frontend.track(request)
@@ -77,7 +82,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
-    def step(self) -> tuple[list[RequestOutput | BeamSearchOutput], int]:
+    def step(self) -> tuple[list[StepOutput], int]:
         """Run one step. Returns the outputs of requests that finished, and how many tokens were generated.
         Raises RequestFailedError as `step_outputs` does, with only the finished outputs in it."""
         try:
@@ -86,7 +91,7 @@ class LLMEngine:
             raise RequestFailedError(exc.errors, _finished(exc.outputs)) from None
         return _finished(outputs), num_generated
 
-    def step_outputs(self, delta: bool = False) -> tuple[list[RequestOutput | BeamSearchOutput], int]:
+    def step_outputs(self, delta: bool = False) -> tuple[list[StepOutput], int]:
         """Run one step. Returns a RequestOutput for every request that got a token (for streaming: unfinished
         ones carry only text no stop string can retract; `delta` gives only what is new since the last
         step), a BeamSearchOutput (with `request_id` set) for every beam search that finished, and how many
@@ -99,15 +104,15 @@ class LLMEngine:
         if processed.stopped:
             # A stop string ended these: finish them in the core now so their KV blocks go back to the pool.
             self.engine_core.finish_stopped(processed.stopped)
-        outputs: list[RequestOutput | BeamSearchOutput] = list(processed.request_outputs)
+        outputs: list[StepOutput] = list(processed.request_outputs)
         for request_id, result in core_outputs.finished_beam_searches.items():
             outputs.append(self.frontend.finish_beam_search(request_id, result))
         failed = core_outputs.failed | processed.failed
         if failed:
             self.abort_request(list(failed))
             raise RequestFailedError(failed, outputs)
-        return outputs, len(core_outputs.outputs)
+        return outputs, sum(1 for output in core_outputs.outputs if output.new_token_ids)
 
 
-def _finished(outputs: list[RequestOutput | BeamSearchOutput]) -> list[RequestOutput | BeamSearchOutput]:
+def _finished(outputs: list[StepOutput]) -> list[StepOutput]:
     return [o for o in outputs if isinstance(o, BeamSearchOutput) or o.finished]

@@ -1,6 +1,7 @@
 """Turns the engine core's per-step snapshots (EngineCoreOutput) into user-facing RequestOutputs: one
 IncrementalDetokenizer per sequence (created on add or when a request forks into n sequences, dropped on finish
-or abort), stop strings, finish reasons, logprobs, and per-step streaming-safe text.
+or abort), stop strings, finish reasons, logprobs, and per-step streaming-safe text. A pooling request gets one
+PoolingRequestOutput, when it finishes, with its vector truncated and normalised (`finish_pooled`).
 
 It reads no live engine state, so it can run in another thread than the engine core. A request whose output
 cannot be built (say, its detokenization raises) is dropped and reported in `failed`; the others go on."""
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagellm.core.request import Request
 from pagellm.engine.core_output import EngineCoreOutput
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.logger import init_logger
-from pagellm.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestOutput
+from pagellm.model_executor.layers.pooler import finish_pooled
+from pagellm.outputs import CompletionOutput, Logprob, LogprobsEntry, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -20,7 +25,8 @@ logger = init_logger(__name__)
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput] = field(default_factory=list)  # one per request with news
+    # One per request with news (a pooling request's one output, when it finishes).
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     # Sequences a stop string ended that the engine core still runs: sequence id -> the matched string.
     stopped: dict[str, str] = field(default_factory=dict)
     # Requests whose outputs could not be built: request id -> why. Their state is gone; the caller aborts them
@@ -61,12 +67,23 @@ class _RequestState:
         return len(self.sequences) == self.params.n and all(s.finished for s in self.sequences.values())
 
 
+@dataclass(eq=False)
+class _PoolingState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: PoolingParams
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.request_states: dict[str, _RequestState] = {}
+        self.request_states: dict[str, _RequestState | _PoolingState] = {}
 
     def add_request(self, request: Request) -> None:
+        if request.pooling_params is not None:
+            self.request_states[request.request_id] = _PoolingState(
+                request.request_id, request.prompt_token_ids, request.pooling_params)
+            return
         self.request_states[request.request_id] = _RequestState(
             request.request_id, request.prompt, request.prompt_token_ids, request.sampling_params)
 
@@ -91,6 +108,9 @@ class OutputProcessor:
             state = self.request_states.get(output.group_id)
             if state is None or state.request_id in result.failed:  # aborted meanwhile, or failed this step
                 continue
+            if isinstance(state, _PoolingState):
+                self._finish_pooling(state, output, result)
+                continue
             try:
                 sequence = self._apply(state, output, result)
             except Exception as exc:
@@ -100,7 +120,7 @@ class OutputProcessor:
                 touched.setdefault(state.request_id, []).append(sequence)
         for request_id, sequences in touched.items():
             state = self.request_states.get(request_id)
-            if state is None:
+            if not isinstance(state, _RequestState):
                 continue
             try:
                 result.request_outputs.append(self._make_output(state, sequences, delta))
@@ -110,6 +130,18 @@ class OutputProcessor:
             if state.finished:
                 del self.request_states[request_id]
         return result
+
+    def _finish_pooling(self, state: _PoolingState, output: EngineCoreOutput, result: OutputProcessorOutput) -> None:
+        try:
+            if output.pooled_data is None:
+                raise RuntimeError("the engine finished the pooling request without its pooled vector")
+            data = torch.from_numpy(finish_pooled(output.pooled_data, state.params))
+        except Exception as exc:
+            self._fail(state.request_id, exc, result)
+            return
+        del self.request_states[state.request_id]
+        result.request_outputs.append(PoolingRequestOutput(state.request_id, PoolingOutput(data),
+                                                           state.prompt_token_ids, True, output.num_cached_tokens))
 
     def _apply(self, state: _RequestState, output: EngineCoreOutput,
                result: OutputProcessorOutput) -> _SequenceState | None:

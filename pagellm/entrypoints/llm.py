@@ -1,4 +1,5 @@
-"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `.chat(messages)`, vLLM's names."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `.chat(messages)` and `.embed(prompts)`, vLLM's
+names."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +15,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.exceptions import InvalidRequestError
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -66,12 +68,25 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise InvalidRequestError(f"Got {len(params_list)} sampling_params for {len(prompts)} prompts; pass "
                                           f"one SamplingParams for all, or exactly one per prompt.")
-        if priority is None:
-            priority = [0] * len(prompts)
-        elif not isinstance(priority, Sequence) or len(priority) != len(prompts):
-            raise InvalidRequestError(f"priority must be a list of one int per prompt, i.e. {len(prompts)} ints; got "
-                                      f"{priority!r:.60}.")
+        priority = _priorities(priority, len(prompts))
         return self._run(list(zip(prompts, params_list, priority)), use_tqdm, self.llm_engine.add_request)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (`.outputs.embedding`, float32 values): the engine's pooling
+        (--pooler-config: LAST by default) of the final-norm hidden states, L2-normalised unless
+        `pooling_params.normalize` is False; `pooling_params.dimensions` keeps that many leading values before
+        normalising (Matryoshka)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = pooling_params or PoolingParams()
+        if not isinstance(params, PoolingParams) or params.task != "embed":
+            raise InvalidRequestError(f"pooling_params must be a PoolingParams with task='embed', got {params!r:.80}.")
+        priority = _priorities(priority, len(prompts))
+        outputs = self._run([(prompt, params, p) for prompt, p in zip(prompts, priority)], use_tqdm,
+                            self.llm_engine.add_request)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -135,3 +150,12 @@ class LLM:
         finally:
             bar.close()
         return outputs
+
+
+def _priorities(priority: Sequence[int] | None, num_prompts: int) -> Sequence[int]:
+    if priority is None:
+        return [0] * num_prompts
+    if not isinstance(priority, Sequence) or len(priority) != num_prompts:
+        raise InvalidRequestError(f"priority must be a list of one int per prompt, i.e. {num_prompts} ints; got "
+                                  f"{priority!r:.60}.")
+    return priority

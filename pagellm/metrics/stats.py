@@ -6,7 +6,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import PoolingRequestOutput, RequestOutput
 
 
 @dataclass
@@ -111,8 +111,10 @@ class RequestStateStats:
     num_generation_tokens: int = 0
     finish_reason: str | None = None
 
-    def update(self, output: RequestOutput, now: float, iteration: IterationStats) -> None:
-        num_new = sum(len(c.token_ids) for c in output.outputs)
+    def update(self, output: RequestOutput | PoolingRequestOutput, now: float, iteration: IterationStats) -> None:
+        # A pooling request's one output finishes its prefill and generates nothing.
+        completions = output.outputs if isinstance(output, RequestOutput) else []
+        num_new = sum(len(c.token_ids) for c in completions)
         if self.first_token_time is None:
             # The prompt counts once it has been prefilled, i.e. with the request's first output.
             self.first_token_time = now
@@ -124,7 +126,7 @@ class RequestStateStats:
         self.last_token_time = now
         self.num_generation_tokens += num_new
         iteration.num_generation_tokens += num_new
-        for completion in output.outputs:
+        for completion in completions:
             self.finish_reason = completion.finish_reason or self.finish_reason
         if output.finished:
             iteration.finished_requests.append(self.finished(self.finish_reason or "stop", now))

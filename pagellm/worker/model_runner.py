@@ -15,6 +15,10 @@ tokens reach the host: a sequence whose input is such a token gets it from that 
 device, and the step's own output is an `AsyncModelRunnerOutput` whose tokens are copied to the host behind its
 kernels.
 
+Pooling requests (embeddings, scores) sample nothing: each of their chunks is pooled from the final-norm hidden
+states (model_executor/layers/pooler.py) and returned in `ModelRunnerOutput.pooler_output`, on the rank that
+samples, beside the sampled tokens of the rest of the batch.
+
 A step with sequences that sample under a grammar is run in two calls on the rank that samples (vLLM's split):
 `execute_model` runs the forward pass and keeps the logits, while the engine computes the grammar bitmask;
 `sample_tokens` masks the constrained rows with it and samples. Other ranks never sample (their results are not
@@ -33,6 +37,7 @@ from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.model_executor.host_copy import StagedCopy, tensor_on
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata, PrefillLayout, select_backend
+from pagellm.model_executor.layers.pooler import PoolingChunk, pool_chunks
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
@@ -61,6 +66,8 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # seconds spent in prepare_inputs, forward (model, logits, prompt logprobs) and sample
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # request id -> its chunk's pooled contribution (float32), for pooling requests (see layers/pooler.py).
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +81,7 @@ class ModelInputs:
     prompt_logprobs: list[tuple[BatchedRequest, int]] = field(default_factory=list)
     # Async scheduling: requests whose input token the previous step did not sample (it failed, or their sampling did)
     missing_pending: list[str] = field(default_factory=list)
+    pooling: list[PoolingChunk] = field(default_factory=list)  # the step's chunks of pooling requests
 
 
 @dataclass
@@ -88,6 +96,7 @@ class ForwardResult:
     # Async scheduling: each logits row's last input token, on the device (the pending ones are known only there),
     # when a row has one pending.
     last_inputs: torch.Tensor | None = None
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -192,8 +201,11 @@ class ModelRunner:
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]
         missing = [rid for _, rid in pending if rid not in last_rows]
+        pooling = [PoolingChunk(r.request_id, int(starts[i]), r.num_tokens, r.num_computed_tokens,
+                                len(r.prompt_token_ids), r.pooling_params)
+                   for i, r in enumerate(ordered) if r.pooling_params is not None]
         return ModelInputs(t[ids], t[pos], meta, t[logits_rows], [ordered[i] for i in sampled_rows], prompt_logprobs,
-                           missing)
+                           missing, pooling)
 
     def sampling_tensors(self, requests: list[BatchedRequest],
                          last_inputs: torch.Tensor | None = None) -> SamplingTensors:
@@ -239,18 +251,39 @@ class ModelRunner:
                                                         "forward": time.perf_counter() - prepared})
         failed = dict.fromkeys(inputs.missing_pending, "The previous step sampled no token for this request.")
         prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs, failed) if inputs.prompt_logprobs else {}
+        # Every tensor-parallel rank pools (classify rows compute logits, gathered across the ranks); the rank that
+        # samples returns the vectors.
+        pooled = self.pool(hidden, inputs, failed) if inputs.pooling else {}
         # Every tensor-parallel rank computes the logits (they are gathered across the ranks).
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled else None
         phases = {"prepare_inputs": prepared - start, "forward": time.perf_counter() - prepared}
         if logits is None or not self.samples:
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed, phase_seconds=phases)
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, failed=failed, phase_seconds=phases,
+                                     pooler_output=pooled if self.samples else {})
         last_inputs = (inputs.input_ids[inputs.logits_indices] if any(r.pending_token for r in inputs.sampled)
                        else None)
-        step = ForwardResult(inputs.sampled, logits, prompt_logprobs, failed, phases, last_inputs)
+        step = ForwardResult(inputs.sampled, logits, prompt_logprobs, failed, phases, last_inputs, pooled)
         if output.structured_output_request_ids:
             self._awaiting_grammar = (step, output.structured_output_request_ids)
             return None
         return self._sample_step(step)
+
+    def pool(self, hidden: torch.Tensor, inputs: ModelInputs, failed: dict[str, str]) -> dict[str, np.ndarray]:
+        """The pooled contribution of each pooling chunk of the step (see layers/pooler.py). If pooling the batch
+        raises, each request is pooled alone, so that only the one that breaks it fails."""
+        try:
+            return pool_chunks(hidden, inputs.pooling, self.model.compute_logits)
+        except Exception as exc:
+            if len(inputs.pooling) == 1:
+                _record_failure(failed, inputs.pooling[0].request_id, "Pooling", exc)
+                return {}
+        pooled = {}
+        for chunk in inputs.pooling:
+            try:
+                pooled.update(pool_chunks(hidden, [chunk], self.model.compute_logits))
+            except Exception as exc:
+                _record_failure(failed, chunk.request_id, "Pooling", exc)
+        return pooled
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | None:
         graphs, meta = self.decode_graphs, inputs.meta
@@ -290,7 +323,7 @@ class ModelRunner:
                 sampled.setdefault(request_id, []).append(token)
                 if entry is not None:
                     logprobs.setdefault(request_id, []).append(entry)
-            return ModelRunnerOutput(sampled, logprobs, step.prompt_logprobs, step.failed, phases)
+            return ModelRunnerOutput(sampled, logprobs, step.prompt_logprobs, step.failed, phases, step.pooler_output)
 
         return AsyncModelRunnerOutput(tokens, finish) if self.async_output else finish(tokens.tolist())
 

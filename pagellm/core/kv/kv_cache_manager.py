@@ -93,8 +93,8 @@ class KVCacheManager:
         """The longest cached prefix of the request's tokens, in whole blocks, leaving at least its last token to
         compute (its logits are needed). Changes nothing; `allocate_slots` takes the blocks."""
         computed = ComputedBlocks()
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return computed  # cached positions have no logits to report
+        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
+            return computed  # cached positions have no logits or hidden states to report
         hashes = self._block_hashes(request)
         for block_hash in hashes[:(request.num_tokens - 1) // self.block_size]:
             block = None if computed.host else self.block_pool.lookup(block_hash)
@@ -187,7 +187,7 @@ class KVCacheManager:
     def record_query(self, request: Request) -> None:
         """Count a request's admission as a prefix-cache query of all its tokens (vLLM's convention, although the
         last one is always computed)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return
         if request.num_preemptions:
             self.prefix_stats.preempted_queries += request.num_tokens

@@ -215,7 +215,8 @@ class BatchPlanner:
         if flight is not None:
             num_computed = flight.num_computed_tokens + flight.num_tokens
             num_known += flight.needs_sample
-        needs_sample = num_computed + num_new == num_known
+        # A pooling request samples nothing: its last chunk is pooled instead.
+        needs_sample = num_computed + num_new == num_known and request.pooling_params is None
         scheduled = ScheduledRequest(
             request.request_id, num_new, num_computed, needs_sample=needs_sample,
             pending_token=flight is not None and flight.needs_sample,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None  # a pooling request: its prompt is pooled, nothing is sampled
 
 
 @dataclass(slots=True)
@@ -40,7 +42,8 @@ class ScheduledRequest:
     # and tables whose blocks changed in place: copy-on-write).
     new_block_ids: list[int] = field(default_factory=list)
     replaces_block_table: bool = False
-    needs_sample: bool = True  # False for a prefill chunk that does not reach the end of the known tokens
+    # False for a prefill chunk that does not reach the end of the known tokens, and for pooling requests.
+    needs_sample: bool = True
     num_samples: int = 1  # n > 1: the first sample draws n tokens from the same logits (one per sequence)
     # Async scheduling: the last token to compute is the one the previous batch samples, unknown here when this
     # batch was scheduled; the worker takes it from that batch's sampled tokens.

@@ -113,6 +113,7 @@ class RequestQueues:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.beam_candidates = None  # sampled again after the recompute
+        request.pooled_data = None  # pooled again, from the first chunk
 
     def fork(self, parent: Request, children: list[Request]) -> None:
         """New sequences of the running `parent` (made by `Request.fork`) share its blocks and run right after it,

@@ -1,5 +1,6 @@
 """Applying a step's results to its requests: computed tokens, prompt logprobs, the sampled tokens with their
-logprobs and grammar advances, forks (n > 1 at the first sample; beams chosen more than once) and stop conditions.
+logprobs and grammar advances, forks (n > 1 at the first sample; beams chosen more than once) and stop conditions;
+for a pooling request, its chunk's pooled contribution, and its finish once the whole prompt is computed.
 
 Each request, and each beam group once all its beams have their candidates, is updated on its own: an exception
 fails that group alone (`Scheduler.update_from_output` fails it). Requests change queues only through the
@@ -9,6 +10,8 @@ stops leaves it (`finish`).
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
@@ -28,11 +31,12 @@ class ResultApplier:
         self.kv_cache_manager = kv_cache_manager
 
     def apply(self, output: SchedulerOutput, sampled: dict[str, list[int]], logprobs: dict[str, list] | None,
-              prompt_logprobs: dict | None, errors: dict[str, str]) -> tuple[list[Request], list[BeamGroup]]:
+              prompt_logprobs: dict | None, errors: dict[str, str],
+              pooled: dict[str, np.ndarray] | None = None) -> tuple[list[Request], list[BeamGroup]]:
         """Apply each scheduled request's results, then advance the beam groups whose beams all have their
-        candidates; returns (sequences that got a token, beam groups that finished). `errors` (group id -> why)
-        holds the groups that already failed, which are skipped; a request or group whose update raises is added to
-        it."""
+        candidates; returns (sequences that got a token or finished pooling, beam groups that finished). `errors`
+        (group id -> why) holds the groups that already failed, which are skipped; a request or group whose update
+        raises is added to it. `pooled`: request id -> its chunk's pooled contribution."""
         updated: list[Request] = []
         finished_groups: list[BeamGroup] = []
         ready_groups: dict[str, BeamGroup] = {}
@@ -41,6 +45,9 @@ class ResultApplier:
             if request is None or request.group_id in errors:  # aborted while the step ran, or its group failed
                 continue
             try:
+                if request.pooling_params is not None:
+                    updated += self._update_pooling(request, scheduled, pooled or {})
+                    continue
                 updated += self._update_request(request, scheduled, sampled, logprobs, prompt_logprobs)
             except Exception as exc:
                 logger.exception("Updating request %s failed; it fails alone.", request.request_id)
@@ -91,6 +98,22 @@ class ResultApplier:
             if status is not None:
                 self.queues.finish(sequence, status)
         return sequences
+
+    def _update_pooling(self, request: Request, scheduled: ScheduledRequest,
+                        pooled: dict[str, np.ndarray]) -> list[Request]:
+        """Add the chunk's pooled contribution (contributions sum to the pooled vector); once the whole prompt is
+        computed the request finishes, its blocks freed (those it filled stay in the prefix cache)."""
+        request.num_computed_tokens += scheduled.num_tokens
+        self.kv_cache_manager.cache_full_blocks(request)
+        part = pooled.get(request.request_id)
+        if part is not None:
+            request.pooled_data = part if request.pooled_data is None else request.pooled_data + part
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return []
+        if request.pooled_data is None:
+            raise RuntimeError(f"The worker returned no pooled output for request {request.request_id}.")
+        self.queues.finish(request, RequestStatus.FINISHED_STOPPED)
+        return [request]
 
     def _fork_samples(self, request: Request, num_forks: int) -> list[Request]:
         """n > 1: sequences 1..n-1 of `request`, sharing its blocks, running right after it. With a seed, sequence
