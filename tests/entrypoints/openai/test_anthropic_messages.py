@@ -207,6 +207,21 @@ def test_the_key_is_accepted_as_x_api_key_and_required(server, claude):
     assert httpx.get(f"{server.url}/v1/models", headers=both, timeout=30).status_code == 401
 
 
+def test_duplicate_x_api_key_headers_are_refused(server):
+    headers = httpx.Headers([("x-api-key", server.api_key), ("x-api-key", "wrong")])
+    response = httpx.post(f"{server.url}/v1/messages/count_tokens", headers=headers, timeout=30,
+                          json={"model": "tiny", "messages": [{"role": "user", "content": USER}]})
+    assert response.status_code == 400 and "exactly one x-api-key" in response.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_anthropics_413(server):
+    # Refused from its Content-Length, before the body is read (the server's default limit is 16 MiB).
+    response = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": server.api_key}, timeout=30,
+                          content=b" " * (17 << 20))
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large" and "--max-request-body-bytes" in response.text
+
+
 @pytest.mark.parametrize("change, status, error_type, named", [
     ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
     ({"temperature": 1.5}, 400, "invalid_request_error", "temperature"),
