@@ -1,4 +1,5 @@
-"""Extreme values for every request field of POST /v1/completions and /v1/chat/completions, against a live server.
+"""Extreme values for every request field of POST /v1/completions, /v1/chat/completions and Anthropic's /v1/messages,
+against a live server.
 
 Each Hypothesis example takes a small valid request (greedy, seeded sampling, min_tokens, streaming, logprobs,
 n > 1) and replaces one to three of its fields with an extreme or ill-typed value: integers at and beyond the
@@ -6,7 +7,8 @@ n > 1) and replaces one to three of its fields with an extreme or ill-typed valu
 `Infinity`, `-Infinity` (and `1e400`, which Python's parser reads as infinity), huge lists and long strings,
 lone surrogates, token ids outside the 49152-token vocabulary, odd message roles and contents, wrong types.
 
-Every request must be answered in time with a 200 or an OpenAI error body (400, 404 or 413), never a 5xx; a
+Every request must be answered in time with a 200 or an error body (400, 404 or 413; OpenAI's shape, Anthropic's
+on /v1/messages), never a 5xx; a
 body holding a non-finite number must be refused with 400 (RFC 8259 JSON has none, and no field has a use for
 one). Before and after the fuzzing, a fixed greedy request returns the same text, /health answers 200 and
 /metrics drains to no running or waiting request and no KV block held: a value that kills the engine thread, or
@@ -25,6 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.entrypoints.openai.protocol_anthropic import AnthropicMessagesRequest
 
 VOCAB_SIZE = 49152  # the tiny model's (SmolLM2's tokenizer)
 EXAMPLES_PER_ENDPOINT = 600
@@ -190,6 +193,49 @@ CHAT_FIELDS = {
     "parallel_tool_calls": st.sampled_from(BOOLS),
 }
 
+ANTHROPIC_BLOCKS = [{"type": "text", "text": "hi"}, {"type": "text"}, {"type": "text", "text": NAN},
+                    {"type": "tool_use", "id": "t", "name": "f", "input": {}}, {"type": "tool_use", "id": "t"},
+                    {"type": "tool_result", "tool_use_id": "t", "content": "ok"},
+                    {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "\ud800"}]},
+                    {"type": "thinking", "thinking": "hm", "signature": ""}, {"type": "image", "source": {}}, {}]
+
+
+@st.composite
+def _anthropic_message(draw) -> dict:
+    role = draw(st.sampled_from(["user", "assistant", "system", "tool", "", 5, None]))
+    content = draw(st.one_of(st.sampled_from(STRINGS + [None, 5, [], {}]),
+                             st.lists(st.sampled_from(ANTHROPIC_BLOCKS), min_size=1, max_size=3)))
+    return {"role": role, "content": content}
+
+
+def _anthropic_messages() -> st.SearchStrategy:
+    return st.one_of(st.lists(_anthropic_message(), min_size=1, max_size=3),
+                     st.sampled_from([[], None, "hi", 5, [{}], [{"role": "user"}],
+                                      Big([{"role": "user", "content": "a"}] * 500, "[user message] * 500")]))
+
+
+ANTHROPIC_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+MESSAGES_FIELDS = {
+    "model": COMMON_FIELDS["model"],
+    "messages": _anthropic_messages(),
+    "max_tokens": st.sampled_from(NUMBERS),
+    "system": st.one_of(st.sampled_from(STRINGS + [5, [], {}, [{"type": "text"}]]),
+                        st.lists(st.sampled_from(ANTHROPIC_BLOCKS), min_size=1, max_size=2)),
+    "stop_sequences": st.one_of(_string_lists(), st.sampled_from(WRONG_TYPES)),
+    "temperature": st.sampled_from(NUMBERS),
+    "top_p": st.sampled_from(NUMBERS),
+    "top_k": st.sampled_from(NUMBERS),
+    "metadata": st.sampled_from([None, {}, {"user_id": "u"}, {"user_id": LONG_TEXT}, {"user_id": 5}, "x", []]),
+    "stream": st.sampled_from(BOOLS),
+    "tools": st.sampled_from([None, [], "x", 5, [ANTHROPIC_TOOL], [{}], [{"name": "f"}],
+                              [{"type": "web_search_20250305", "name": "web_search"}], [ANTHROPIC_TOOL] * 200]),
+    "tool_choice": st.sampled_from([None, {}, "auto", 5, {"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                    {"type": "tool", "name": "f"}, {"type": "tool", "name": "g"}, {"type": "tool"},
+                                    {"type": "any", "disable_parallel_tool_use": True}]),
+    "thinking": st.sampled_from([None, {}, 5, {"type": "disabled"}, {"type": "adaptive"},
+                                 {"type": "enabled", "budget_tokens": 1024}, {"type": "enabled", "budget_tokens": -1}]),
+}
+
 # For the names a request model declares it refuses (`unsupported_fields`: OpenAI or vLLM parameters that are not
 # implemented): anything at all, since any value but a neutral one must be a 400.
 ANY_VALUE = st.sampled_from(NUMBERS + STRINGS + BOOLS + [{"type": "json_object"}, {"type": "text"}, ["text"], "none",
@@ -214,6 +260,9 @@ COMPLETION_BASES = [{"model": "tiny", "prompt": "Hello", "max_tokens": 2, **base
                     for base in SHARED_BASES + [{"logprobs": 2}, {"echo": True, "logprobs": 2}]]
 CHAT_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **base}
               for base in SHARED_BASES + [{"logprobs": True, "top_logprobs": 2}]]
+MESSAGES_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **base}
+                  for base in [{"temperature": 0}, {"temperature": 1.0, "top_k": 5}, {"stream": True},
+                               {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}, "max_tokens": 4}]]
 
 
 @dataclass(frozen=True)
@@ -305,6 +354,29 @@ def assert_openai_error(response: httpx.Response, context: str) -> None:
     assert error["code"] == response.status_code, f"{context}: {body}"
 
 
+def assert_anthropic_error(response: httpx.Response, context: str) -> None:
+    try:
+        body = response.json()
+    except ValueError:
+        pytest.fail(f"{context}: a {response.status_code} whose body is not JSON: {response.text[:500]!r}")
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", \
+        f"{context}: not an Anthropic error body: {body}"
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], f"{context}: {body}"
+
+
+def assert_message_answer(response: httpx.Response, context: str) -> None:
+    """A 200 of /v1/messages: one message, or Anthropic's events from message_start to message_stop."""
+    if response.headers.get("content-type", "").startswith("application/json"):
+        body = response.json()
+        assert body.get("type") == "message" and isinstance(body.get("content"), list), f"{context}: {body}"
+        return
+    names = [line[len("event: "):] for line in response.text.splitlines() if line.startswith("event: ")]
+    assert names[:1] == ["message_start"] and names[-1:] in (["message_stop"], ["error"]), \
+        f"{context}: events {names}"
+    assert "api_error" not in response.text and "overloaded_error" not in response.text, \
+        f"{context}: {response.text[-500:]}"
+
+
 def assert_completion_answer(response: httpx.Response, context: str) -> None:
     """A 200's body: one JSON object with choices, or server-sent events ending in [DONE] with no server error
     (a stream is told by its content type: pydantic reads "true" and 1 as a true `stream` too)."""
@@ -344,10 +416,11 @@ def send_and_check(server, http: httpx.Client, path: str, body: dict, declared: 
     if has_non_finite({name: value for name, value in body.items() if name in declared}):
         assert response.status_code == 400, \
             f"{context}\nholds a non-finite number but was answered {response.status_code} {response.text[:300]}"
+    anthropic = path.startswith("/v1/messages")
     if response.status_code == 200:
-        assert_completion_answer(response, context)
+        (assert_message_answer if anthropic else assert_completion_answer)(response, context)
     else:
-        assert_openai_error(response, context)
+        (assert_anthropic_error if anthropic else assert_openai_error)(response, context)
     return response.status_code
 
 
@@ -413,6 +486,7 @@ def test_every_request_field_is_fuzzed():
     # A field added to the protocol without a strategy here would go unfuzzed; this makes that a failure.
     assert set(CompletionRequest.model_fields) <= set(COMPLETION_FIELDS)
     assert set(ChatCompletionRequest.model_fields) <= set(CHAT_FIELDS)
+    assert set(AnthropicMessagesRequest.model_fields) <= set(MESSAGES_FIELDS)
 
 
 def test_server_is_sound_before_fuzzing(fuzz_server, http, greedy_text):
@@ -423,8 +497,10 @@ def test_server_is_sound_before_fuzzing(fuzz_server, http, greedy_text):
 @pytest.mark.parametrize("path, model, bases, fields", [
     ("/v1/completions", CompletionRequest, COMPLETION_BASES, fuzzed_fields(CompletionRequest, COMPLETION_FIELDS)),
     ("/v1/chat/completions", ChatCompletionRequest, CHAT_BASES, fuzzed_fields(ChatCompletionRequest, CHAT_FIELDS)),
-], ids=["completions", "chat"])
-def test_extreme_values_get_a_200_or_an_openai_400(fuzz_server, http, greedy_text, path, model, bases, fields):
+    ("/v1/messages", AnthropicMessagesRequest, MESSAGES_BASES,
+     fuzzed_fields(AnthropicMessagesRequest, MESSAGES_FIELDS)),
+], ids=["completions", "chat", "messages"])
+def test_extreme_values_get_a_200_or_a_400(fuzz_server, http, greedy_text, path, model, bases, fields):
     mutated, statuses = fuzz(fuzz_server, http, path, model, bases, fields)
     print(f"{path}: {sum(statuses.values())} requests, by status {dict(statuses)}; "
           f"{len(fields)} fields, each mutated {min(mutated.values())}-{max(mutated.values())} times")
