@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from pagellm.entrypoints.openai.protocol_responses import ErrorInfo, ErrorResponse
 from pagellm.exceptions import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from pagellm.logger import init_logger
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -28,7 +29,8 @@ _ERROR_TYPES = {
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
 }
 # Request fields whose name may open an InvalidRequestError's message (the error's `param`).
-_PARAM_NAMES = frozenset(SamplingParams.__dataclass_fields__) | {"priority", "cache_salt"}
+_PARAM_NAMES = (frozenset(SamplingParams.__dataclass_fields__) | frozenset(PoolingParams.__dataclass_fields__)
+                | {"priority", "cache_salt"})
 
 
 class OpenAIServingError(Exception):

@@ -12,10 +12,12 @@ from fastapi import APIRouter
 from pagellm.entrypoints.openai.routes import (
     chat,
     completions,
+    embeddings,
     health,
     messages,
     metrics,
     models,
+    score,
     tokenization,
     tokenizer_info,
 )
@@ -29,4 +31,6 @@ ROUTERS: tuple[APIRouter, ...] = (
     messages.router,  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
     tokenization.router,  # /tokenize, /detokenize
     tokenizer_info.router,  # /tokenizer_info
+    embeddings.router,  # /v1/embeddings
+    score.router,  # /score, /rerank (and their /v1 aliases)
 )

@@ -12,7 +12,9 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import load_chat_template
+from pagellm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.metrics.history import StatsHistory
 from pagellm.metrics.prometheus import PrometheusStatLogger
@@ -26,6 +28,8 @@ class ServerState:
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     tokenization: OpenAIServingTokenization
+    embedding: OpenAIServingEmbedding
+    score: OpenAIServingScore
     metrics: PrometheusStatLogger  # the /metrics registry
     history: StatsHistory  # the dashboard's time series
 
@@ -42,7 +46,9 @@ class ServerState:
         serving_args = (engine, served_model_names, tokenizer)
         return cls(engine=engine, served_model_names=served_model_names, tokenizer=tokenizer,
                    completion=OpenAIServingCompletion(*serving_args), chat=OpenAIServingChat(*serving_args),
-                   tokenization=OpenAIServingTokenization(*serving_args), metrics=metrics, history=history)
+                   tokenization=OpenAIServingTokenization(*serving_args),
+                   embedding=OpenAIServingEmbedding(*serving_args), score=OpenAIServingScore(*serving_args),
+                   metrics=metrics, history=history)
 
 
 def set_server_state(app: FastAPI, state: ServerState) -> None:
