@@ -140,6 +140,18 @@ def test_count_tokens_equals_the_chat_template(claude, tokenizer):
                                                                {"role": "user", "content": USER}])
 
 
+def test_earlier_thinking_blocks_are_dropped_as_anthropic_drops_them(claude):
+    def count(assistant_blocks: list[dict]) -> int:
+        return claude.messages.count_tokens(model="tiny", messages=[
+            {"role": "user", "content": USER}, {"role": "assistant", "content": assistant_blocks},
+            {"role": "user", "content": "Merci."}]).input_tokens
+
+    answer = {"type": "text", "text": "Il fait beau."}
+    thinking = {"type": "thinking", "thinking": "The user wants the weather. " * 8, "signature": "sig"}
+    assert count([thinking, answer]) == count([answer]) < count([{"type": "text", "text": thinking["thinking"]},
+                                                                 answer])
+
+
 def raw_events(text: str) -> list[tuple[str, dict]]:
     events = []
     for chunk in text.strip().split("\n\n"):
