@@ -71,6 +71,15 @@ class StructuredOutputsParams:
         return value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
 
 
+@dataclass(frozen=True)
+class ReasoningTokenIds:
+    """A reasoning parser's tags as token ids (see pagellm/reasoning/): set on SamplingParams by the engine, from its
+    --reasoning-parser, for requests with a thinking_token_budget."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+
 @dataclass
 class SamplingParams:
     """How to sample the completion of one prompt.
@@ -101,6 +110,11 @@ class SamplingParams:
     `n` sequences are sampled per prompt. The prompt is computed once and its KV blocks are shared by the n
     sequences (the last, partly filled block is copied when they first write to it). With a seed, sequence i
     draws from seed + i after the first token (as vLLM seeds its child requests).
+
+    `thinking_token_budget=k` (vLLM's name; needs an engine with a reasoning parser): once k tokens have been
+    generated inside reasoning (after a start tag the output or the end of the prompt opened), the end tag's tokens
+    are forced, one per step, after every other logits processor. `reasoning_token_ids` holds the tags; the engine
+    sets it.
     """
 
     n: int = 1
@@ -127,6 +141,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
+    reasoning_token_ids: ReasoningTokenIds | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -199,6 +215,8 @@ class SamplingParams:
                 _check_int(name, getattr(self, name), 0, INT64_MAX)
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, INT64_MAX)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, 0, INT64_MAX)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequestError(f"structured_outputs must be a StructuredOutputsParams, got "
                                       f"{type(self.structured_outputs).__name__}.")

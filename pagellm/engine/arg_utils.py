@@ -241,7 +241,7 @@ class EngineArgs:
                             help="JSON schemas' objects admit only the properties they name unless the schema sets "
                                  "additionalProperties (a request's structured_outputs.disable_additional_properties "
                                  "overrides it)")
-        parser.add_argument("--reasoning-parser", default=EngineArgs.reasoning_parser, choices=REASONING_PARSERS,
+        parser.add_argument("--reasoning-parser", default=EngineArgs.reasoning_parser, choices=list(REASONING_PARSERS),
                             help="split <think>...</think> from the answer into reasoning_content (qwen3, "
                                  "deepseek_r1); requests may then set thinking_token_budget")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -14,7 +14,8 @@ from pagellm.core.kv.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
 from pagellm.pooling_params import PoolingParams
-from pagellm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagellm.reasoning import get_reasoning_parser
+from pagellm.sampling_params import BeamSearchParams, ReasoningTokenIds, SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import LazyBackend
 
@@ -35,6 +36,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.reasoning_parser = config.structured_outputs_config.reasoning_parser
         # Validates constraints against this tokenizer before queueing (special tokens a grammar names included).
         self.grammar_backend = LazyBackend(lambda: GuidanceBackend(
             tokenizer, self.model_config.vocab_size, eos_token_ids,
@@ -64,6 +66,7 @@ class InputProcessor:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         self.validate_prompt_tokens(token_ids)
         bad_words_token_ids = self._validate_params(params)
+        params = self._with_reasoning_token_ids(params)
         self._check_capacity(len(token_ids), params)
         # The scheduler also stops every request at max_model_len tokens in all.
         max_tokens = params.max_tokens or self.model_config.max_model_len
@@ -195,6 +198,19 @@ class InputProcessor:
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab}): {ids}.")
         return bad_words_token_ids
+
+    def _with_reasoning_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """A request with a thinking budget gets a copy of its parameters holding the reasoning parser's tags as
+        token ids (the worker forces the end tag with them)."""
+        if params.thinking_token_budget is None or params.reasoning_token_ids is not None:
+            return params
+        if self.reasoning_parser is None:
+            raise InvalidRequestError("thinking_token_budget needs a reasoning parser to know where reasoning ends; "
+                                      "start the engine with --reasoning-parser (reasoning_parser=...).")
+        tags = get_reasoning_parser(self.reasoning_parser)
+        token_ids = ReasoningTokenIds(*(tuple(self.tokenizer.encode(tag, add_special_tokens=False))
+                                        for tag in (tags.start_tag, tags.end_tag)))
+        return dataclasses.replace(params, reasoning_token_ids=token_ids)
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile and probe a constraint (see structured_output/backend_guidance.py): a grammar too large for its

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from pagellm.model_executor.host_copy import tensor_on, to_device
-from pagellm.model_executor.layers.logits_processors import bad_words_bans, pad_token_lists, unpack_disallowed
+from pagellm.model_executor.layers.logits_processors import (
+    bad_words_bans,
+    pad_token_lists,
+    thinking_budget_token,
+    unpack_disallowed,
+)
 from pagellm.model_executor.layers.sampler import SamplingTensors
 from pagellm.worker.input_batch import BatchedRequest
 
@@ -82,4 +87,23 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
                               tensor_on(bias_values, torch.float32, device))
     if ban_rows:
         tensors.bans = (tensor_on(ban_rows, torch.int64, device), tensor_on(ban_ids, torch.int64, device))
+    forced = [(row, token) for row, token in enumerate(_thinking_budget_tokens(requests)) if token is not None]
+    if forced:
+        tensors.forced_tokens = (tensor_on([row for row, _ in forced], torch.int64, device),
+                                 tensor_on([token for _, token in forced], torch.int64, device))
     return tensors
+
+
+def _thinking_budget_tokens(requests: list[BatchedRequest]) -> list[int | None]:
+    """Per row, the end-of-reasoning token its spent thinking budget forces (see thinking_budget_token). Such a
+    request never samples blind (core/sched/async_scheduling.py), so its output tokens here are all of them."""
+    tokens: list[int | None] = []
+    for request in requests:
+        p = request.sampling_params
+        if p.thinking_token_budget is None or p.reasoning_token_ids is None:
+            tokens.append(None)
+            continue
+        tokens.append(thinking_budget_token(request.prompt_token_ids, request.output_token_ids,
+                                            p.reasoning_token_ids.start, p.reasoning_token_ids.end,
+                                            p.thinking_token_budget))
+    return tokens

@@ -6,7 +6,8 @@ A request in batch N may go into N+1 when what it computes next does not depend 
 prompt never does. A decode does only through the token N samples: N+1 computes it blind (the worker takes it from
 N's sampled tokens on the device), unless the host must see the token first. It must for beams (the group picks
 the next tokens), the first sample of an n > 1 request (it forks) and bad words (whether a bad word's prefix ends
-the output is decided on the host). Such a request waits for N, and the engine then collects N before scheduling
+the output is decided on the host), and a thinking budget (whether reasoning is open is read from the tokens).
+Such a request waits for N, and the engine then collects N before scheduling
 (no batch leaves it behind). Penalties and min_tokens do not make a request wait: the worker counts the token in
 flight itself (see worker/sampling_inputs.py). Nor do grammars: N+1's forward pass runs blind, and its sampling
 waits for the bitmask, computed once N's tokens have advanced the grammars (see engine/core.py). If N's token ends
@@ -21,7 +22,8 @@ from pagellm.core.sched.output import ScheduledRequest
 
 def may_sample_blind(request: Request, flight: ScheduledRequest) -> bool:
     """Whether the request's next step may run before the token its batch in flight samples is known here."""
-    return flight.num_samples == 1 and request.beam_group is None and not request.bad_words_token_ids
+    return (flight.num_samples == 1 and request.beam_group is None and not request.bad_words_token_ids
+            and request.sampling_params.thinking_token_budget is None)
 
 
 def tokens_after_flight(request: Request, flight: ScheduledRequest, max_model_len: int) -> int | None:

@@ -31,6 +31,9 @@ class AsyncTokenizer:
         self._executor = ThreadPoolExecutor(NUM_THREADS, thread_name_prefix="pagellm-tokenizer")
         tokenizer = get_tokenizer(tokenizer_name)  # loaded here too, so a broken tokenizer fails at start-up
         self.has_chat_template = chat_template is not None or bool(getattr(tokenizer, "chat_template", None))
+        # The template's source, to tell which chat_template_kwargs it reads (a tokenizer may hold several, by name).
+        template_source = chat_template or getattr(tokenizer, "chat_template", None) or ""
+        self.chat_template_source = template_source if isinstance(template_source, str) else str(template_source)
         self.supports_tools = self.has_chat_template and _renders_tools(tokenizer, chat_template)
         self.max_chars_per_token = _NORMALIZER_SLACK * max(map(len, tokenizer.get_vocab()))
 
@@ -59,11 +62,13 @@ class AsyncTokenizer:
         return await self._run(_convert_ids_to_tokens, token_ids)
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> str:
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat template (the server's --chat-template, else the tokenizer's) applied to `messages` and
-        `tools`, as text. transformers renders it in a sandboxed Jinja environment; template errors raise jinja2's
-        TemplateError."""
-        return await self._run(_render_chat, messages, self.chat_template, add_generation_prompt, tools)
+        `tools`, as text; `template_kwargs` become the template's variables (vLLM's chat_template_kwargs).
+        transformers renders it in a sandboxed Jinja environment; template errors raise jinja2's TemplateError."""
+        return await self._run(_render_chat, messages, self.chat_template, add_generation_prompt, tools,
+                               **(template_kwargs or {}))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -82,9 +87,10 @@ def _convert_ids_to_tokens(tokenizer, token_ids: list[int]) -> list[str]:
 
 
 def _render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None,
-                 add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
+                 add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+                 **template_kwargs: Any) -> str:
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, tools=tools)
+                                         add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "pagellm_probe_tool", "parameters": {"type": "object"}}}

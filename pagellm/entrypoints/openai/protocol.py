@@ -299,6 +299,13 @@ def _arguments_object(arguments: str) -> Any:
         raise InvalidRequestError(f"tool_calls arguments must be a JSON string, got {arguments!r:.100}.") from None
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not name them (they would replace the server's).
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(SamplingRequest):
     unsupported_fields: ClassVar[dict[str, str]] = {
         **SamplingRequest.unsupported_fields,
@@ -307,9 +314,7 @@ class ChatCompletionRequest(SamplingRequest):
         "audio": "audio output is not supported", "modalities": "only text output is supported",
         "prediction": "predicted outputs are not implemented",
         "web_search_options": "web search is not supported",
-        "reasoning_effort": "reasoning_effort is not implemented",
         "chat_template": "per-request chat templates are not accepted; start the server with --chat-template",
-        "chat_template_kwargs": "chat_template_kwargs is not implemented",
         "continue_final_message": "continue_final_message is not implemented",
         "documents": "documents are not implemented",
         "echo": "echoing the last message is not implemented",
@@ -328,6 +333,25 @@ class ChatCompletionRequest(SamplingRequest):
     # OpenAI's default: "auto" with tools, "none" without.
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
     parallel_tool_calls: bool = True  # False: at most one call ("required" makes exactly one)
+    # vLLM's: the chat template's own variables (Qwen3's {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; passed to templates that read a `reasoning_effort` variable (refused by others).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # vLLM's, with --reasoning-parser: false leaves reasoning_content out (the model still reasons).
+    include_reasoning: bool = True
+    # vLLM's, with --reasoning-parser: the end tag is forced after this many reasoning tokens.
+    thinking_token_budget: NonNegativeInt64 | None = None
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_variables(self) -> ChatCompletionRequest:
+        for name in (self.chat_template_kwargs or {}):
+            if name in TEMPLATE_ARGUMENTS:
+                raise PydanticCustomError("invalid_field", "{field} cannot set {name!r}, which the server passes "
+                                          "itself", {"field": "chat_template_kwargs", "name": name})
+        if self.reasoning_effort is not None and "reasoning_effort" in (self.chat_template_kwargs or {}):
+            raise PydanticCustomError("invalid_field", "{field} is set twice: as a field and in chat_template_kwargs; "
+                                      "set it once", {"field": "reasoning_effort"})
+        return self
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
@@ -355,6 +379,20 @@ class ChatCompletionRequest(SamplingRequest):
         if self.tool_choice is not None:
             return self.tool_choice
         return "auto" if self.tools else "none"
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort when set."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
+        params = super().to_sampling_params(max_tokens, logprobs, structured_outputs, prompt_logprobs)
+        params.thinking_token_budget = self.thinking_token_budget  # validated as a NonNegativeInt64 above
+        return params
 
 
 class TokenizeCompletionRequest(RequestModel):

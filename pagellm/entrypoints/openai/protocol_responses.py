@@ -77,6 +77,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser: the text between <think> and </think>
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -101,6 +102,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

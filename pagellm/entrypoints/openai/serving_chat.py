@@ -1,14 +1,21 @@
 """POST /v1/chat/completions: messages (and tools) -> the chat template -> a chat completion or an SSE stream of
 deltas, with OpenAI's chat logprobs shape, tool calls (see tool_calls.py) and vLLM's `prompt_logprobs` (of the
-rendered prompt; not in streams)."""
+rendered prompt; not in streams).
+
+With --reasoning-parser, each choice's text is split first (pagellm/reasoning/): the reasoning becomes vLLM's
+`reasoning_content` (`delta.reasoning_content` in streams), and tool calls are parsed from the content after it.
+A constraint on the output (response_format, structured_outputs, a forced tool call) would apply to the reasoning
+too, so it is refused unless the request turned thinking off."""
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncGenerator
 
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from pagellm.entrypoints.openai.completion_logprobs import LOGPROB_FLOOR, prompt_logprobs_response
-from pagellm.entrypoints.openai.errors import sse_error
+from pagellm.entrypoints.openai.errors import OpenAIServingError, sse_error
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.protocol_responses import (
     ChatCompletionLogProbs,
@@ -22,8 +29,16 @@ from pagellm.entrypoints.openai.protocol_responses import (
     DeltaMessage,
 )
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing, accumulate, chain_first, usage
-from pagellm.entrypoints.openai.tool_calls import ToolCallStreamer, extract_tool_calls, tool_call_constraint, tool_mode
+from pagellm.entrypoints.openai.tool_calls import (
+    ExtractedToolCalls,
+    ToolCallStreamer,
+    extract_tool_calls,
+    tool_call_constraint,
+    tool_mode,
+)
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser
+from pagellm.sampling_params import SamplingParams
 
 ROLE = "assistant"
 
@@ -43,7 +58,45 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
     return ChatCompletionLogProbs(content=content)
 
 
+def chat_message(request: ChatCompletionRequest, mode: str, reasoning: ReasoningParser | None,
+                 text: str) -> tuple[ChatMessage, ExtractedToolCalls]:
+    """A whole choice's message: its reasoning split off first, then its tool calls parsed from the content."""
+    split = reasoning.extract(text) if reasoning is not None else ReasoningSplit(None, text)
+    extracted = extract_tool_calls(mode, request, split.content or "")
+    # With a reasoning parser an empty content is null (vLLM's), as when the reasoning never closed.
+    content = extracted.content or None if reasoning is not None else extracted.content
+    return ChatMessage(role=ROLE, content=content, tool_calls=extracted.tool_calls,
+                       reasoning_content=split.reasoning if request.include_reasoning else None), extracted
+
+
+class ChoiceStreamer:
+    """One choice's stream: each text delta is split into reasoning and content, and the content goes through the
+    tool-call streamer; their deltas add up to `chat_message` of the whole text."""
+
+    def __init__(self, mode: str, request: ChatCompletionRequest, reasoning: ReasoningParser | None) -> None:
+        self.tools = ToolCallStreamer(mode, request)
+        self.reasoner = reasoning.streamer() if reasoning is not None else None
+        self.include_reasoning = request.include_reasoning
+
+    def feed(self, text: str, finished: bool) -> DeltaMessage:
+        if self.reasoner is None:
+            content, tool_calls = self.tools.feed(text, finished)
+            return DeltaMessage(content=content, tool_calls=tool_calls)
+        split = self.reasoner.feed(text, finished)
+        content, tool_calls = self.tools.feed(split.content or "", finished)
+        return DeltaMessage(content=content or None, tool_calls=tool_calls,
+                            reasoning_content=split.reasoning if self.include_reasoning else None)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return self.tools.finish_reason(engine_reason)
+
+
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], tokenizer: AsyncTokenizer) -> None:
+        super().__init__(engine, served_model_names, tokenizer)
+        name = engine.config.structured_outputs_config.reasoning_parser
+        self.reasoning_parser = get_reasoning_parser(name) if name is not None else None
+
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         model = self.model_name(request.model)
@@ -54,14 +107,41 @@ class OpenAIServingChat(OpenAIServing):
         # "none" ignores the tools entirely: the model is not told about them.
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools and mode != "none" \
             else None
+        template_kwargs = self._template_kwargs(request)
         prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.add_special_tokens,
-                                        truncating=params.truncate_prompt_tokens is not None, tools=tools)
+                                        truncating=params.truncate_prompt_tokens is not None, tools=tools,
+                                        template_kwargs=template_kwargs)
         self.check_length(prompt, params, "messages")
+        reasoning = self._reasoning(request, mode, params, prompt["prompt"], template_kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first, rest = await self.start([prompt], params, request_id, request)
         if request.stream:
-            return self._stream(request, mode, request_id, model, first, rest)
-        return await self._full(request, mode, request_id, model, chain_first(first, rest))
+            return self._stream(request, mode, reasoning, request_id, model, first, rest)
+        return await self._full(request, mode, reasoning, request_id, model, chain_first(first, rest))
+
+    def _template_kwargs(self, request: ChatCompletionRequest) -> dict[str, object]:
+        if request.reasoning_effort is not None and "reasoning_effort" not in self.tokenizer.chat_template_source:
+            raise OpenAIServingError(
+                "reasoning_effort is not supported by this model: its chat template never reads a reasoning_effort "
+                "variable. Drop it, or set the template's own switches with chat_template_kwargs (Qwen3: "
+                "{\"enable_thinking\": false}).", param="reasoning_effort")
+        return request.template_kwargs()
+
+    def _reasoning(self, request: ChatCompletionRequest, mode: str, params: SamplingParams, prompt: str,
+                   template_kwargs: dict[str, object]) -> ReasoningParser | None:
+        """The request's reasoning parser (None without --reasoning-parser). A constraint would hold the reasoning
+        to it too (the grammar starts at the first output token), so one is refused while thinking is on."""
+        if self.reasoning_parser is None:
+            return None
+        parser = self.reasoning_parser(prompt, template_kwargs)
+        if params.structured_outputs is not None and not parser.thinking_disabled():
+            field = "tool_choice" if mode in ("named", "required") else \
+                "structured_outputs" if request.structured_outputs is not None else "response_format"
+            raise OpenAIServingError(
+                f"{field} constrains the whole output, and with --reasoning-parser {parser.name} the output starts "
+                f"with the model's reasoning, which a constraint would cut short. Turn thinking off for this request "
+                f"(Qwen3: chat_template_kwargs {{\"enable_thinking\": false}}) or drop {field}.", param=field)
+        return parser
 
     @staticmethod
     def _logprobs(request: ChatCompletionRequest, completion: CompletionOutput) -> ChatCompletionLogProbs | None:
@@ -69,16 +149,15 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0)
 
-    def _choice(self, request: ChatCompletionRequest, mode: str, index: int,
+    def _choice(self, request: ChatCompletionRequest, mode: str, reasoning: ReasoningParser | None, index: int,
                 completion: CompletionOutput) -> ChatCompletionResponseChoice:
-        extracted = extract_tool_calls(mode, request, completion.text)
-        return ChatCompletionResponseChoice(index=index, message=ChatMessage(role=ROLE, content=extracted.content,
-                                                                             tool_calls=extracted.tool_calls),
-                                            logprobs=self._logprobs(request, completion),
+        message, extracted = chat_message(request, mode, reasoning, completion.text)
+        return ChatCompletionResponseChoice(index=index, message=message, logprobs=self._logprobs(request, completion),
                                             finish_reason=extracted.finish_reason(completion.finish_reason),
                                             stop_reason=completion.stop_reason)
 
-    async def _full(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,
+    async def _full(self, request: ChatCompletionRequest, mode: str, reasoning: ReasoningParser | None,
+                    request_id: str, model: str,
                     outputs: AsyncGenerator[tuple[int, RequestOutput], None]) -> ChatCompletionResponse:
         choices: dict[int, CompletionOutput] = {}
         latest: dict[int, RequestOutput] = {}
@@ -88,13 +167,14 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs = output.prompt_logprobs or prompt_logprobs
             accumulate(choices, 0, output)
         return ChatCompletionResponse(
-            id=request_id, model=model, choices=[self._choice(request, mode, i, choices[i]) for i in sorted(choices)],
+            id=request_id, model=model,
+            choices=[self._choice(request, mode, reasoning, i, choices[i]) for i in sorted(choices)],
             usage=usage(latest, sum(len(c.token_ids) for c in choices.values())),
             prompt_logprobs=prompt_logprobs_response(latest[0].prompt_token_ids, prompt_logprobs,
                                                      request.prompt_logprobs))
 
-    async def _stream(self, request: ChatCompletionRequest, mode: str, request_id: str, model: str,
-                      first: tuple[int, RequestOutput],
+    async def _stream(self, request: ChatCompletionRequest, mode: str, reasoning: ReasoningParser | None,
+                      request_id: str, model: str, first: tuple[int, RequestOutput],
                       rest: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncGenerator[str, None]:
         created = int(time.time())
 
@@ -104,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {response.model_dump_json()}\n\n"
 
         completion_tokens = 0
-        streamers = [ToolCallStreamer(mode, request) for _ in range(request.n)]
+        streamers = [ChoiceStreamer(mode, request, reasoning) for _ in range(request.n)]
         try:
             # As OpenAI: each choice opens with a delta holding only the role.
             yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))
@@ -113,11 +193,10 @@ class OpenAIServingChat(OpenAIServing):
                 choices = []
                 for delta in output.outputs:
                     streamer = streamers[delta.index]
-                    content, tool_calls = streamer.feed(delta.text, delta.finish_reason is not None)
                     choices.append(ChatCompletionResponseStreamChoice(
-                        index=delta.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
-                        logprobs=self._logprobs(request, delta), finish_reason=streamer.finish_reason(
-                            delta.finish_reason), stop_reason=delta.stop_reason))
+                        index=delta.index, delta=streamer.feed(delta.text, delta.finish_reason is not None),
+                        logprobs=self._logprobs(request, delta),
+                        finish_reason=streamer.finish_reason(delta.finish_reason), stop_reason=delta.stop_reason))
                     completion_tokens += len(delta.token_ids)
                 yield chunk(choices)
             if request.include_usage:

@@ -62,13 +62,15 @@ class OpenAIServing:
 
     async def chat_prompt(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
                           add_special_tokens: bool = False, truncating: bool = False,
-                          tools: list[dict[str, Any]] | None = None) -> TokensPrompt:
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> TokensPrompt:
+        """`template_kwargs`: the template's extra variables (chat_template_kwargs)."""
         if not self.tokenizer.has_chat_template:
             raise OpenAIServingError("This model's tokenizer has no chat template; start the server with "
                                      "--chat-template, or use /v1/completions.")
         try:
             text = await self.tokenizer.render_chat([m.to_template_message() for m in messages],
-                                                    add_generation_prompt, tools)
+                                                    add_generation_prompt, tools, template_kwargs)
         except TemplateError as exc:
             raise OpenAIServingError(f"The chat template could not render these messages: {exc}",
                                      param="messages") from exc

@@ -8,6 +8,9 @@ Dense ones work on the whole batch at once: repetition / frequency / presence pe
 built with one scatter-add on the device. Sparse ones (logit_bias entries, banned tokens from bad_words and
 min_tokens) arrive as flat (row, token) index tensors and are applied with one indexed write each; the Python
 loops that find them run over requests, never over the vocabulary.
+
+Forced tokens (a thinking budget spent: the end tag's next token, see `thinking_budget_token`) come last: every other
+logit of their rows becomes -inf, so greedy and sampled rows alike take them.
 """
 from __future__ import annotations
 
@@ -90,3 +93,52 @@ def apply_bias_and_bans(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Te
     if bans is not None:
         logits = logits.index_put(bans, torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
     return logits
+
+
+def _rfind(tokens: Sequence[int], pattern: Sequence[int], start: int = 0) -> int:
+    """Where the last occurrence of `pattern` in `tokens[start:]` begins (-1 if none). The scan for the pattern's
+    first token runs in C (list.index on the reversed list)."""
+    last = len(tokens) - 1
+    reversed_tokens = list(reversed(tokens))
+    end = len(tokens) - len(pattern)  # the last position the pattern can begin at
+    while end >= start:
+        try:
+            at = last - reversed_tokens.index(pattern[0], last - end)
+        except ValueError:
+            return -1
+        if at < start:
+            return -1
+        if list(tokens[at:at + len(pattern)]) == list(pattern):
+            return at
+        end = at - 1
+    return -1
+
+
+def thinking_budget_token(prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], start: Sequence[int],
+                          end: Sequence[int], budget: int) -> int | None:
+    """The token a sequence must take next under a thinking budget: the end tag's next token once `budget` tokens
+    have been generated inside reasoning (None otherwise). Reasoning is open after the output's last start tag, or
+    from the first output token when the prompt's last tag is a start tag (a template that opens `<think>`), until an
+    end tag. Computed from the tokens alone, so forks, preemption and recomputation need no state."""
+    opened = _rfind(output_token_ids, start)
+    if opened >= 0:
+        begin = opened + len(start)
+    elif _rfind(prompt_token_ids, start) > _rfind(prompt_token_ids, end):
+        begin = 0
+    else:
+        return None
+    if _rfind(output_token_ids, end, begin) >= 0:
+        return None
+    used = len(output_token_ids) - begin
+    # A part of the end tag already at the tail (being forced, or begun by the model) continues.
+    for size in range(min(len(end) - 1, used), 0, -1):
+        if list(output_token_ids[len(output_token_ids) - size:]) == list(end[:size]):
+            return end[size] if used - size >= budget else None
+    return end[0] if used >= budget else None
+
+
+def force_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`logits` with each row in `rows` left only its token in `token_ids` (every other logit -inf)."""
+    forced = torch.full((len(rows), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=logits.device)
+    forced[torch.arange(len(rows), device=logits.device), token_ids] = 0.0
+    return logits.index_put((rows,), forced)

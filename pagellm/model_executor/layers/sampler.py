@@ -2,8 +2,9 @@
 
 Order (vLLM's): structured-output grammars mask disallowed tokens first, so everything after (logprobs included)
 sees the constrained distribution; logprobs are taken from those logits; penalties, logit_bias and banned tokens
-(bad_words, min_tokens) are applied next (logits_processors.py); greedy rows take the argmax there, so they stay
-exact next to sampled rows; sampled rows are divided by their temperature, then min_p, top_k and top_p mask.
+(bad_words, min_tokens) are applied next, then forced tokens (a spent thinking budget; logits_processors.py);
+greedy rows take the argmax there, so they stay exact next to sampled rows; sampled rows are divided by their
+temperature, then min_p, top_k and top_p mask.
 Sampled rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a request
 with a seed draws its q from its own generator, so its tokens do not depend on the rest of the batch.
 """
@@ -13,7 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.model_executor.layers.logits_processors import apply_bias_and_bans, apply_penalties, mask_disallowed
+from pagellm.model_executor.layers.logits_processors import (
+    apply_bias_and_bans,
+    apply_penalties,
+    force_tokens,
+    mask_disallowed,
+)
 
 
 @dataclass
@@ -39,6 +45,7 @@ class SamplingTensors:
     # Structured outputs: (rows, or None for all; [len(rows), V] bool) the tokens each constrained row may not
     # sample.
     disallowed_tokens: tuple[torch.Tensor | None, torch.Tensor] | None = None
+    forced_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) each row must take
 
 
 @dataclass
@@ -110,6 +117,8 @@ class Sampler:
                                      tensors.presence_penalty)
         if tensors.logit_bias is not None or tensors.bans is not None:
             logits = apply_bias_and_bans(logits, tensors.logit_bias, tensors.bans)
+        if tensors.forced_tokens is not None:
+            logits = force_tokens(logits, *tensors.forced_tokens)
         tokens = self._sample(logits, tensors)
         if tensors.disallowed_tokens is not None:
             tokens = self._keep_to_grammar(tokens, masked, *tensors.disallowed_tokens)
