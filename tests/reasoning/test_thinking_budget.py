@@ -13,16 +13,17 @@ S, E = 7, 8  # single-token tags, as Qwen3's <think> and </think>
 
 
 def replayed(prompt: list[int], output: list[int], budget: int) -> int | None:
-    """Walk the tokens in order: a start tag opens reasoning (counting from zero), an end tag closes it."""
+    """Walk the tokens in order: a start tag outside reasoning opens it (counting from zero), an end tag closes it,
+    any other token inside counts (a start tag too)."""
     tags = [t for t in prompt if t in (S, E)]
     inside, count = bool(tags) and tags[-1] == S, 0
     for token in output:
-        if token == S:
-            inside, count = True, 0
-        elif token == E:
+        if token == E:
             inside = False
         elif inside:
             count += 1
+        elif token == S:
+            inside, count = True, 0
     return E if inside and count >= budget else None
 
 

@@ -114,21 +114,35 @@ def _rfind(tokens: Sequence[int], pattern: Sequence[int], start: int = 0) -> int
     return -1
 
 
+def _find(tokens: Sequence[int], pattern: Sequence[int], start: int = 0) -> int:
+    """Where the first occurrence of `pattern` in `tokens[start:]` begins (-1 if none)."""
+    tokens = list(tokens)
+    while True:
+        try:
+            at = tokens.index(pattern[0], start)
+        except ValueError:
+            return -1
+        if tokens[at:at + len(pattern)] == list(pattern):
+            return at
+        start = at + 1
+
+
 def thinking_budget_token(prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], start: Sequence[int],
                           end: Sequence[int], budget: int) -> int | None:
     """The token a sequence must take next under a thinking budget: the end tag's next token once `budget` tokens
-    have been generated inside reasoning (None otherwise). Reasoning is open after the output's last start tag, or
-    from the first output token when the prompt's last tag is a start tag (a template that opens `<think>`), until an
-    end tag. Computed from the tokens alone, so forks, preemption and recomputation need no state."""
-    opened = _rfind(output_token_ids, start)
-    if opened >= 0:
-        begin = opened + len(start)
-    elif _rfind(prompt_token_ids, start) > _rfind(prompt_token_ids, end):
+    have been generated inside reasoning (None otherwise). Reasoning is open from the first output token when the
+    prompt's last tag is a start tag (a template that opens `<think>`), else from the output's first start tag,
+    until an end tag; after an end tag, the next start tag opens it again. A start tag inside reasoning is one of
+    its tokens (it does not restart the count). Computed from the tokens alone, so forks, preemption and
+    recomputation need no state."""
+    closed = _rfind(output_token_ids, end)
+    if closed < 0 and _rfind(prompt_token_ids, start) > _rfind(prompt_token_ids, end):
         begin = 0
     else:
-        return None
-    if _rfind(output_token_ids, end, begin) >= 0:
-        return None
+        opened = _find(output_token_ids, start, closed + len(end) if closed >= 0 else 0)
+        if opened < 0:
+            return None
+        begin = opened + len(start)
     used = len(output_token_ids) - begin
     # A part of the end tag already at the tail (being forced, or begun by the model) continues.
     for size in range(min(len(end) - 1, used), 0, -1):
