@@ -31,7 +31,8 @@ def api_key() -> str | None:
 
 def cpu_isa() -> str | None:
     """PAGELLM_CPU_ISA=scalar builds every C kernel for the compiler's baseline (no AVX2, FMA or F16C) and makes the
-    packed-weight kernels skip their AVX2 paths: the portable code a CPU without them runs (tests run both)."""
+    packed-weight kernels skip their AVX2 paths: the portable code a CPU without them runs (tests run both).
+    PAGELLM_CPU_ISA=avx2 keeps the packed-weight tiles off their AVX-512 variant (which computes the same floats)."""
     return os.environ.get("PAGELLM_CPU_ISA") or None
 
 

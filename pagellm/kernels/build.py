@@ -61,12 +61,19 @@ def has_avx2() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= set(_cpuinfo("flags").split())
 
 
+def has_avx512() -> bool:
+    """Whether the packed-weight tiles take their AVX-512F variant here (kernels/linear.py `use_avx512` asks the CPU
+    itself; this reads the same flag for benchmark headers, without loading a library)."""
+    return has_avx2() and "avx512f" in _cpuinfo("flags").split() and envs.cpu_isa() not in ("scalar", "avx2")
+
+
 def isa_flags() -> list[str]:
     """The flags that set a kernel's instruction set (linear_cpu.c's AVX2 functions carry their own target
     attribute instead): x86-64-v3 (AVX2, FMA, F16C) where the CPU has them, else the compiler's baseline (also with
     PAGELLM_CPU_ISA=scalar). Never -march=native: gcc 12 then vectorised RMSNorm's sum of squares 16 floats wide on
     an AMD EPYC with AVX-512 and 8 wide on an Intel Xeon with AVX-512 (tuned for 256-bit vectors): another rounding,
-    other logprobs. No kernel uses AVX-512, VNNI or AMX."""
+    other logprobs. No compiler-chosen AVX-512, VNNI or AMX: the one AVX-512 code is linear_cpu.c's hand-written tile
+    variant, which computes the AVX2 tiles' floats (see `has_avx512`)."""
     return ["-march=x86-64-v3"] if has_avx2() and envs.cpu_isa() != "scalar" else []
 
 
@@ -80,7 +87,9 @@ def instruction_sets() -> str:
         return "none (PAGELLM_DISABLE_C_KERNELS: PyTorch)"
     if _compiler() is None:
         return "none (no C compiler: PyTorch)"
-    return "AVX2+FMA+F16C" if isa_flags() else f"portable scalar ({platform.machine()} baseline)"
+    if not isa_flags():
+        return f"portable scalar ({platform.machine()} baseline)"
+    return "AVX2+FMA+F16C" + (", AVX-512F matmul tiles" if has_avx512() else "")
 
 
 def kernel_cache_dir() -> Path:

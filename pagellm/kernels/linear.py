@@ -37,6 +37,8 @@ SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_
 SIGNATURES: dict[str, Signature] = {
     # int pagellm_cpu_has_avx2(void);
     "pagellm_cpu_has_avx2": (_INT, []),
+    # int pagellm_cpu_has_avx512(void);
+    "pagellm_cpu_has_avx512": (_INT, []),
     # int pagellm_dequantize_rows(const pagellm_matrix *w, const int64_t *ids, int64_t count, float *out,
     #                             int nthreads);
     "pagellm_dequantize_rows": (_INT, [_PTR, _PTR, _I64, _PTR, _INT]),
@@ -69,6 +71,13 @@ def use_avx2() -> bool:
     return envs.cpu_isa() != "scalar" and bool(loaded().pagellm_cpu_has_avx2())
 
 
+@cache
+def use_avx512() -> bool:
+    """The tile path's AVX-512 variant (the same floats as AVX2's, twice as wide) when the CPU has AVX-512F, unless
+    PAGELLM_CPU_ISA asks for avx2 or scalar."""
+    return envs.cpu_isa() not in ("scalar", "avx2") and bool(loaded().pagellm_cpu_has_avx512())
+
+
 def row_bytes(qtype: int, columns: int) -> int:
     block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     if columns % block_elems:
@@ -87,7 +96,7 @@ def _check(status: int, what: str) -> None:
 # Mirrors linear_cpu.c's pagellm_matrix, field for field.
 class _Matrix(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("use_avx2", ctypes.c_int32), ("int8_activations", ctypes.c_int32),
-                ("w", _PTR), ("row_bytes", _I64),
+                ("use_avx512", ctypes.c_int32), ("w", _PTR), ("row_bytes", _I64),
                 ("n", _I64), ("k", _I64), ("grouped_rows", _I64), ("num_parts", _I64), ("parts", _PTR)]
 
 
@@ -113,8 +122,8 @@ class PackedMatmul:
         self.parts: tuple[PackedMatmul, ...] = ()
         self._part_matrices: ctypes.Array[_Matrix] | None = None  # a stack's copies of its parts' descriptors
         self.in_features, self.out_features = in_features, qweight.shape[0]
-        self._matrix = _Matrix(int(qtype), int(use_avx2()), 0, qweight.data_ptr(), qweight.stride(0), qweight.shape[0],
-                               in_features, grouped_rows, 0, None)
+        self._matrix = _Matrix(int(qtype), int(use_avx2()), 0, int(use_avx512()), qweight.data_ptr(),
+                               qweight.stride(0), qweight.shape[0], in_features, grouped_rows, 0, None)
         self.pointer = ctypes.addressof(self._matrix)  # what the fused decoder (kernels.decoder) passes to C
         self._run = loaded().pagellm_matmul
 
@@ -129,7 +138,7 @@ class PackedMatmul:
         stacked.in_features, stacked.out_features = parts[0].in_features, sum(p.out_features for p in parts)
         part_matrices = (_Matrix * len(parts))(*(p._matrix for p in parts))  # copies the C side reads
         stacked._part_matrices = part_matrices
-        stacked._matrix = _Matrix(0, 0, 0, None, 0, stacked.out_features, stacked.in_features, 0, len(parts),
+        stacked._matrix = _Matrix(0, 0, 0, 0, None, 0, stacked.out_features, stacked.in_features, 0, len(parts),
                                   ctypes.addressof(part_matrices))
         stacked.pointer = ctypes.addressof(stacked._matrix)
         stacked._run = loaded().pagellm_matmul

@@ -17,7 +17,8 @@
  * PyTorch uses).
  *
  * Each function has an AVX2+FMA+F16C version (target attribute) and a portable scalar version; the caller picks
- * with `use_avx2`, after asking pagellm_cpu_has_avx2().
+ * with `use_avx2`, after asking pagellm_cpu_has_avx2(). The tile path also has an AVX-512 version, taken with
+ * `use_avx512` (pagellm_cpu_has_avx512()), which computes the same floats twice as wide.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -35,6 +36,7 @@
  * k are unused. */
 typedef struct pagellm_matrix {
     int32_t type, use_avx2, int8_activations; /* int8_activations: linear_int8.inc's arithmetic at small M */
+    int32_t use_avx512;                       /* the tile path's AVX-512 variant (same floats) */
     const uint8_t *w;
     int64_t row_bytes, n, k, grouped_rows; /* grouped_rows: rows [0, grouped_rows) interleaved by four */
     int64_t num_parts;
@@ -190,8 +192,14 @@ int pagellm_cpu_has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+
+int pagellm_cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return pagellm_cpu_has_avx2() && __builtin_cpu_supports("avx512f");
+}
 #else
 int pagellm_cpu_has_avx2(void) { return 0; }
+int pagellm_cpu_has_avx512(void) { return 0; }
 #endif
 
 /* ---- entry points ------------------------------------------------------------------------------------- */
@@ -310,6 +318,7 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
     }
 #endif
 #if HAVE_X86
+    if (w->use_avx512) return tiles_avx512(w, x, m, ldx, out, ldo, nthreads);
     if (w->use_avx2) return tiles_avx2(w, x, m, ldx, out, ldo, nthreads);
 #endif
     /* the portable path: TILE_ROWS rows at a time dequantized into a buffer (read in place for float32) */

@@ -1,6 +1,7 @@
 """The packed-weight C kernel (kernels/linear_cpu.c) against NumPy: the gguf package's own dequantizer and a
-float64 matmul. Every storage type, both instruction paths (AVX2 and the portable scalar fallback), decode-sized
-and larger batches, odd shapes and strided activations."""
+float64 matmul. Every storage type, every instruction path (AVX-512 tiles, AVX2 and the portable scalar fallback),
+decode-sized and larger batches, odd shapes and strided activations; and the AVX-512 tiles against the AVX2 ones, float
+for float."""
 from __future__ import annotations
 
 import gguf
@@ -15,15 +16,19 @@ TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, Q
 K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]  # 256 weights per super-block
 
 
-@pytest.fixture(params=["avx2", "scalar"])
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request, monkeypatch):
     assert kernels.available(), "the C kernel must build on the test machine (gcc is required)"
-    monkeypatch.setenv("PAGELLM_CPU_ISA", "" if request.param == "avx2" else "scalar")
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "" if request.param == "avx512" else request.param)
     kernels.use_avx2.cache_clear()
-    if request.param == "avx2" and not kernels.use_avx2():
+    kernels.use_avx512.cache_clear()
+    if request.param != "scalar" and not kernels.use_avx2():
         pytest.skip("this CPU has no AVX2+FMA+F16C")
+    if request.param == "avx512" and not kernels.use_avx512():
+        pytest.skip("this CPU has no AVX-512F: its tiles run the AVX2 path, tested beside")
     yield request.param
     kernels.use_avx2.cache_clear()
+    kernels.use_avx512.cache_clear()
 
 
 def encode(weight: np.ndarray, qtype: QT) -> np.ndarray:
@@ -118,6 +123,26 @@ def test_prefill_tiles_match_numpy(isa, threads, qtype, rows, out_features):
     want, dequantized = reference(x, packed, qtype, in_features)
     got = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)(torch.from_numpy(x)).numpy()
     assert_matmul_close(got, x, dequantized, want)
+
+
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
+def test_avx512_tiles_compute_the_avx2_floats(threads, qtype):
+    """The AVX-512 tiles run each output's chain of FMAs as the AVX2 ones do, only more outputs side by side: the
+    same floats, so a CPU with AVX-512 gives the logprobs of one without. Blocks of 32 and 16 rows with rows left
+    over, several passes."""
+    kernels.use_avx512.cache_clear()
+    if not kernels.use_avx512():
+        pytest.skip("this CPU has no AVX-512F (or PAGELLM_CPU_ISA turns it off)")
+    in_features = 768 if qtype in K_TYPES else 288
+    rng = np.random.default_rng(7)
+    packed = encode(rng.standard_normal((61, in_features)).astype(np.float32), qtype)
+    matmul = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)
+    for rows in (9, 17, 33, 70, 300):
+        x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))
+        matmul._matrix.use_avx512 = 1
+        wide = matmul(x)
+        matmul._matrix.use_avx512 = 0
+        assert torch.equal(wide, matmul(x)), f"{rows} rows"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 20])
