@@ -133,6 +133,20 @@ def tiny_model_factory(tmp_path_factory, smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def qwen3_thinking_dir(tmp_path_factory, tiny_model_factory) -> Path:
+    """The tiny Qwen3 with Qwen3's `<think>` and `</think>` added to its tokenizer (added tokens, not special: they
+    stay in the decoded text), ids 49152 and 49153 of a 49154-token vocabulary."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-qwen3-thinking") / "model"
+    shutil.copytree(tiny_model_factory("qwen3", vocab_size=49154), path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def model_dir(tiny_model_factory) -> Path:
     """The tiny random-weight Llama checkpoint most engine tests run on (a module may override it)."""
     return tiny_model_factory("llama")

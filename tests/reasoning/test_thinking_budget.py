@@ -2,6 +2,7 @@
 the tokens one at a time, and the sampler taking forced tokens in greedy and sampled rows alike."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,3 +63,31 @@ def test_the_sampler_takes_forced_tokens_in_greedy_and_sampled_rows():
     assert output.sampled[2].item() != 5
     # Logprobs stay the model's own (raw) ones: the forced token's is its log-softmax before forcing.
     assert abs(output.logprobs[0][1][0] - logits[0].log_softmax(-1)[5].item()) < 1e-5
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_forces_the_end_tag_after_the_budget(qwen3_thinking_dir, async_scheduling):
+    """Offline, with a prompt that opens reasoning: the first `budget` tokens are transformers' greedy ones, then
+    </think>, then greedy again; n = 2 sequences alike. A request without a budget is not forced."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagellm import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen3_thinking_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(qwen3_thinking_dir), dtype=torch.float32).eval()
+    prompt = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    ids, expected = tokenizer.encode(prompt), []
+    with torch.no_grad():
+        for position in range(6):
+            token = end if position == 2 else int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+            expected.append(token)
+    llm = LLM(model=str(qwen3_thinking_dir), reasoning_parser="qwen3", async_scheduling=async_scheduling,
+              kv_cache_memory_bytes=4 << 20, max_model_len=256)
+    budgeted, free = llm.generate([prompt, prompt], [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, thinking_token_budget=2, n=2),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)], use_tqdm=False)
+    assert [list(o.token_ids) for o in budgeted.outputs] == [expected, expected]
+    # Unforced, the model would not have closed reasoning there: the budget made the difference.
+    assert list(free.outputs[0].token_ids[:2]) == expected[:2] and free.outputs[0].token_ids[2] != end

@@ -302,8 +302,8 @@ def _arguments_object(arguments: str) -> Any:
 # apply_chat_template's own arguments: chat_template_kwargs may not name them (they would replace the server's).
 TEMPLATE_ARGUMENTS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -74,6 +74,12 @@ class OpenAIServing:
         except TemplateError as exc:
             raise OpenAIServingError(f"The chat template could not render these messages: {exc}",
                                      param="messages") from exc
+        except (TypeError, ValueError, AttributeError) as exc:
+            if not template_kwargs:
+                raise
+            # A request variable replaced one the template relies on (e.g. {"range": 1}).
+            raise OpenAIServingError(f"The chat template could not render with these chat_template_kwargs: {exc}",
+                                     param="chat_template_kwargs") from exc
         # The template already holds any BOS; by default no special tokens are added, which would double it.
         return await self.text_prompt(text, add_special_tokens, "messages", truncating)
 

@@ -6,7 +6,6 @@ str.partition; tool calls inside reasoning are checked on the serving layer's te
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
@@ -33,30 +32,18 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, tiny_model_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("tiny-qwen3-think") / "model"
-    shutil.copytree(tiny_model_factory("qwen3", vocab_size=49154), path)  # room for the two added tokens
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_tokens(["<think>", "</think>"])  # as Qwen3's: added, not special (they stay in the text)
-    tokenizer.save_pretrained(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def hf(qwen3_dir):
+def hf(qwen3_thinking_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(qwen3_dir), dtype=torch.float32).eval()
-    return AutoTokenizer.from_pretrained(str(qwen3_dir)), model
+    model = AutoModelForCausalLM.from_pretrained(str(qwen3_thinking_dir), dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(str(qwen3_thinking_dir)), model
 
 
 @pytest.fixture(scope="module")
-def reasoning_client(qwen3_dir, start_server, tmp_path_factory):
+def reasoning_client(qwen3_thinking_dir, start_server, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "qwen3.jinja"
     template.write_text(TEMPLATE)
-    for server in start_server(qwen3_dir, "--chat-template", str(template), "--reasoning-parser", "qwen3",
+    for server in start_server(qwen3_thinking_dir, "--chat-template", str(template), "--reasoning-parser", "qwen3",
                                "--max-num-seqs", "8"):
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
 
