@@ -1,6 +1,6 @@
 """The `pagellm` command: `generate` (one prompt, printed), `serve` (OpenAI-compatible server), and the benchmarks
 `bench throughput`, `bench latency`, `bench sweep`, `bench accuracy`, `bench serve`, `bench soak`, `bench sharing`,
-`bench prefix`, `bench memory`, `bench control`, `bench structured`."""
+`bench prefix`, `bench memory`, `bench control`, `bench structured`, `bench embed`."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,7 @@ _ENGINE_BENCHMARKS = {
     "control": "per-step cost of the worker boundary: transport, and uni vs mp executors",
     "structured": "JSON-schema constrained decoding: time per output token vs unconstrained, first-request "
                   "latency with compilation, validity of sampled objects",
+    "embed": "embedding throughput (inputs/s, tokens/s) of LLM.embed beside transformers' batched inference",
 }
 
 

@@ -1,7 +1,8 @@
 """`LLM.embed` and pooling requests through the engine: vectors equal transformers' final-norm hidden states (the
 base model's last_hidden_state) pooled the same way, for LAST, MEAN and CLS, through chunked prefill, prefix-cache
-hits, preemption (recompute and swap) and the mp executor at TP 2; a pooling request shares a batch with generations
-and both are right; bad input is refused before anything is queued, and no KV block leaks."""
+hits, preemption (recompute and swap), async scheduling and the mp executor at TP 2 and PP 2; a pooling request
+shares a batch with generations and both are right; bad input is refused before anything is queued, and no KV
+block leaks."""
 from __future__ import annotations
 
 import numpy as np
@@ -197,11 +198,33 @@ def test_bad_input_is_refused_before_queueing(tiny, no_leaks):
     no_leaks(llm)
 
 
-def test_mp_executor_at_tensor_parallel_2(tiny, make_token_prompts):
-    """The pooled vectors travel back pickled from the output rank; the other rank returns none."""
+def test_async_scheduling_mixes_pooling_and_generation(tiny, make_token_prompts, hf_greedy, no_leaks):
+    from transformers import AutoModelForCausalLM
+
+    model_dir, hf = tiny
+    llm = make_llm(model_dir, async_scheduling=True, max_num_batched_tokens=16, pooling="mean")
+    prompts = make_token_prompts([20, 45, 8], seed=10)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"gen{i}", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        engine.add_request(f"emb{i}", prompt, PoolingParams())
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((output.request_id, output) for output in engine.step()[0])
+    causal = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"gen{i}"].outputs[0].token_ids == hf_greedy(causal, prompt["prompt_token_ids"], 5)
+        expected = reference(hf, prompt["prompt_token_ids"], "MEAN")
+        assert cosine(outputs[f"emb{i}"].outputs.data.numpy(), expected) >= MIN_COSINE
+    no_leaks(llm)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_mp_executor_tensor_and_pipeline_parallel(tiny, make_token_prompts, tp, pp):
+    """The pooled vectors travel back pickled from the output rank (the last stage's first rank)."""
     model_dir, hf = tiny
     prompts = make_token_prompts([9, 33], seed=7)
-    with make_llm(model_dir, tensor_parallel_size=2, distributed_executor_backend="mp",
+    with make_llm(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="mp",
                   max_num_batched_tokens=16) as llm:
         outputs = llm.embed(prompts, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):

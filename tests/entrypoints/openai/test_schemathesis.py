@@ -1,6 +1,6 @@
-"""Schemathesis over a live server's own /openapi.json: every documented operation (the generation and tokenizer
-endpoints, /v1/models, /health, /version, /metrics) gets schema-derived cases from the examples, coverage and
-fuzzing phases, with positive and negative data, a fixed seed and derandomized generation; each response must not
+"""Schemathesis over a live server's own /openapi.json: every documented operation (the generation, pooling and
+tokenizer endpoints, /v1/models, /health, /version, /metrics) gets schema-derived cases from the examples, coverage
+and fuzzing phases, with positive and negative data, a fixed seed and derandomized generation; each response must not
 be a server error and must conform to the spec: a documented status code, content type and body schema. The
 server and its spec are both under test: an undocumented answer fails as surely as a 500. At least MIN_CASES
 cases run in all (printed with -s)."""
@@ -22,7 +22,8 @@ FUZZING_EXAMPLES_PER_OPERATION = 150
 MIN_CASES = 1000
 EXPECTED_OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
                        "GET /v1/models", "GET /health", "GET /version", "GET /metrics", "GET /tokenizer_info",
-                       "POST /v1/messages", "POST /v1/messages/count_tokens"}
+                       "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/embeddings", "POST /score",
+                       "POST /rerank"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 # Generous: a fuzzed request on a 48-token context finishes in well under a second; this only stops a hang.
 REQUEST_TIMEOUT_S = 30

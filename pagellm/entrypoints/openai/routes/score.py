@@ -16,14 +16,14 @@ router = APIRouter()
 
 
 @router.post("/score", response_model=None, responses=responses(*GENERATION_ERRORS, model=ScoreResponse))
-@router.post("/v1/score", response_model=None, responses=responses(*GENERATION_ERRORS, model=ScoreResponse))
+@router.post("/v1/score", response_model=None, include_in_schema=False)  # vLLM's alias, documented once
 @with_cancellation
 async def create_score(request: ScoreRequest, raw_request: Request, state: ServerStateDep) -> Response:
     return respond(await state.score.create_score(request))
 
 
 @router.post("/rerank", response_model=None, responses=responses(*GENERATION_ERRORS, model=RerankResponse))
-@router.post("/v1/rerank", response_model=None, responses=responses(*GENERATION_ERRORS, model=RerankResponse))
+@router.post("/v1/rerank", response_model=None, include_in_schema=False)
 @with_cancellation
 async def create_rerank(request: RerankRequest, raw_request: Request, state: ServerStateDep) -> Response:
     return respond(await state.score.create_rerank(request))
