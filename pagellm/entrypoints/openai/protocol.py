@@ -336,7 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: the chat template's own variables (Qwen3's {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's; passed to templates that read a `reasoning_effort` variable (refused by others).
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # vLLM's, with --reasoning-parser: false leaves reasoning_content out (the model still reasons).
     include_reasoning: bool = True
     # vLLM's, with --reasoning-parser: the end tag is forced after this many reasoning tokens.

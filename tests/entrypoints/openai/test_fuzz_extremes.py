@@ -191,6 +191,12 @@ CHAT_FIELDS = {
                                     {"type": "function", "function": {"name": "f"}},
                                     {"type": "function", "function": {"name": "g"}}]),
     "parallel_tool_calls": st.sampled_from(BOOLS),
+    # Template variables that replace ones the template uses ("range", "bos_token") or the server's own ("tools").
+    "chat_template_kwargs": st.sampled_from([None, {}, 5, "x", [], {"enable_thinking": False}, {"tools": []},
+                                             {"range": 1}, {"bos_token": 5}, {"messages": NAN}, {"": "\ud800"}]),
+    "reasoning_effort": st.sampled_from([None, "low", "high", "x", 5, ""]),
+    "include_reasoning": st.sampled_from(BOOLS),
+    "thinking_token_budget": st.sampled_from(NUMBERS),
 }
 
 ANTHROPIC_BLOCKS = [{"type": "text", "text": "hi"}, {"type": "text"}, {"type": "text", "text": NAN},
