@@ -208,6 +208,9 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     # Keep a batch per pipeline stage in flight, so stages work at once (see EngineArgs.pipeline_overlap).
     pipeline_overlap: bool = False
+    # CPU cores per rank (worker/cpu_affinity.py): None leaves scheduling to the OS, "auto" splits this process's
+    # cores among the ranks that run at once, "0-3|4-7" names them.
+    cpu_affinity: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -222,6 +225,17 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"The 'uni' executor runs one rank in this process, but tensor x pipeline parallel "
                              f"size is {self.world_size}; use --distributed-executor-backend mp or ray.")
+
+    @property
+    def concurrent_ranks(self) -> int:
+        """Ranks computing at the same time on this machine, every replica's: each gets its own cores."""
+        return self.tensor_parallel_size * self.concurrent_stages * self.data_parallel_size
+
+    def cpu_slot(self, rank: int) -> int:
+        """Rank `rank` (of this replica)'s place among the concurrent ranks: stages that take turns share one."""
+        stage, tp_rank = divmod(rank, self.tensor_parallel_size)
+        return ((self.data_parallel_rank * self.concurrent_stages + stage % self.concurrent_stages)
+                * self.tensor_parallel_size + tp_rank)
 
     @property
     def concurrent_stages(self) -> int:

@@ -34,6 +34,7 @@ from pagellm.model_executor.model_loader.gguf_loader import gguf_source
 from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir
 from pagellm.model_executor.models.registry import resolve_architecture
 from pagellm.reasoning import REASONING_PARSERS
+from pagellm.worker.cpu_affinity import available_cores, slot_groups
 
 
 @dataclass
@@ -70,6 +71,7 @@ class EngineArgs:
     # A batch per pipeline stage in flight. None: on for CUDA (each rank its own device), off on the CPU, where
     # the stages share the same cores and memory bandwidth and splitting batches measured slower.
     pipeline_overlap: bool | None = None
+    cpu_affinity: str | None = ParallelConfig.cpu_affinity  # "auto" or "0-3|4-7": each rank's cores
     # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/sched/async_scheduling.py).
     async_scheduling: bool = SchedulerConfig.async_scheduling
     structured_outputs_disable_additional_properties: bool = StructuredOutputsConfig.disable_additional_properties
@@ -96,7 +98,10 @@ class EngineArgs:
         parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                          pipeline_parallel_size=self.pipeline_parallel_size,
                                          distributed_executor_backend=self.distributed_executor_backend,
-                                         data_parallel_size=self.data_parallel_size, pipeline_overlap=pipeline_overlap)
+                                         data_parallel_size=self.data_parallel_size, pipeline_overlap=pipeline_overlap,
+                                         cpu_affinity=self.cpu_affinity)
+        if self.cpu_affinity and device.type == "cpu":  # refused here, before any rank starts
+            slot_groups(self.cpu_affinity, parallel_config.concurrent_ranks, available_cores())
         check_parallel_sizes(hf_config, parallel_config)
         if self.async_scheduling and parallel_config.distributed_executor_backend != "uni":
             raise ValueError("--async-scheduling works with one rank in this process (the uni executor); drop it "
@@ -274,6 +279,11 @@ class EngineArgs:
                             default=EngineArgs.pipeline_overlap,
                             help="keep a batch per pipeline stage in flight so stages work at once (the mp "
                                  "executor). Default: on for CUDA, off on the CPU, where stages share the cores")
+        parser.add_argument("--cpu-affinity", default=EngineArgs.cpu_affinity,
+                            help="CPU cores per rank, each OpenMP thread pinned to one: 'auto' splits this "
+                                 "process's cores among the ranks that run at once (tensor x concurrent stages x "
+                                 "data-parallel replicas), or one core list per rank such as '0-3|4-7'. Default: "
+                                 "the OS schedules the threads")
         parser.add_argument("--data-parallel-size", "-dp", type=int, default=EngineArgs.data_parallel_size,
                             help="pagellm serve: engine replicas, each in its own process with its own KV cache "
                                  "and tp x pp ranks; requests are routed by load and prompt prefix")

@@ -15,6 +15,7 @@ from pagellm.model_executor.layers.attention import check_kv_cache_dtype
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
+from pagellm.worker.cpu_affinity import available_cores, bind_to_cores, slot_groups
 from pagellm.worker.host_allocator import keep_large_allocations_on_heap
 from pagellm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -56,6 +57,7 @@ class Worker:
                                         samples=rank == parallel.output_rank,
                                         async_output=config.scheduler_config.async_scheduling)
         self.cache_engine: CacheEngine | None = None
+        self.cpu_cores: list[int] | None = None  # the cores --cpu-affinity bound this rank to
 
     def init_device(self) -> None:
         parallel = self.config.parallel_config
@@ -65,12 +67,14 @@ class Worker:
             check_kv_cache_dtype(self.config.cache_config.kv_dtype(model_dtype), model_dtype, self.device)
         else:
             keep_large_allocations_on_heap()
-            if parallel.world_size > 1 or parallel.data_parallel_size > 1:
+            if parallel.cpu_affinity:
+                groups = slot_groups(parallel.cpu_affinity, parallel.concurrent_ranks, available_cores())
+                self.cpu_cores = groups[parallel.cpu_slot(self.rank)]
+                bind_to_cores(self.cpu_cores)
+            elif parallel.world_size > 1 or parallel.data_parallel_size > 1:
                 # The ranks (of every replica) share this machine's cores instead of each spawning a thread per
                 # core; with pipeline_overlap the stages work on different batches at once, so they count too.
-                concurrent_ranks = (parallel.tensor_parallel_size * parallel.concurrent_stages
-                                    * parallel.data_parallel_size)
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // concurrent_ranks))
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.concurrent_ranks))
         if parallel.world_size > 1:
             from pagellm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 

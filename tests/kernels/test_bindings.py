@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from pagellm.kernels import decoder, elementwise, linear, paged_attention
+from pagellm.kernels import affinity, decoder, elementwise, linear, paged_attention
 from pagellm.kernels.build import included_files
 
-BINDINGS = [linear, elementwise, paged_attention, decoder]
+BINDINGS = [linear, elementwise, paged_attention, decoder, affinity]
 
 
 def _strip(text: str) -> str:
