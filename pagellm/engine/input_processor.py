@@ -81,7 +81,8 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt_tokens(token_ids)
         params = self.resolve_pooling_params(params)
-        self._check_capacity(len(token_ids), _PREFILL_ONLY)
+        # No capacity check: the pool holds one max_model_len prompt (the worker checks it at start), and nothing
+        # grows past the prompt.
         return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=_PREFILL_ONLY,
                        eos_token_ids=frozenset(), max_tokens=1, prompt=text, priority=priority, cache_salt=cache_salt,
                        pooling_params=params)

@@ -229,3 +229,14 @@ def test_mp_executor_tensor_and_pipeline_parallel(tiny, make_token_prompts, tp, 
         outputs = llm.embed(prompts, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert cosine(output.outputs.embedding, reference(hf, prompt["prompt_token_ids"])) >= MIN_COSINE
+
+
+def test_a_max_model_len_prompt_fills_the_smallest_pool(tiny, make_token_prompts, no_leaks):
+    """A pool of exactly one max_model_len prompt (4 blocks of 16): a pooling request never grows past its prompt."""
+    model_dir, hf = tiny
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, float32
+    llm = LLM(model=str(model_dir), max_model_len=64, block_size=16, kv_cache_memory_bytes=4 * block_bytes)
+    prompt = make_token_prompts([64], seed=12)[0]
+    (output,) = llm.embed(prompt, use_tqdm=False)
+    assert cosine(output.outputs.embedding, reference(hf, prompt["prompt_token_ids"])) >= MIN_COSINE
+    no_leaks(llm)
