@@ -240,3 +240,20 @@ def test_a_max_model_len_prompt_fills_the_smallest_pool(tiny, make_token_prompts
     (output,) = llm.embed(prompt, use_tqdm=False)
     assert cosine(output.outputs.embedding, reference(hf, prompt["prompt_token_ids"])) >= MIN_COSINE
     no_leaks(llm)
+
+
+def test_priority_puts_a_pooling_request_first(tiny, make_token_prompts, no_leaks):
+    """One sequence slot: a running low-priority generation is preempted for a higher-priority embedding."""
+    model_dir, hf = tiny
+    llm = make_llm(model_dir, scheduling_policy="priority", max_num_seqs=1)
+    engine = llm.llm_engine
+    generate_prompt, embed_prompt = make_token_prompts([10, 25], seed=13)
+    engine.add_request("gen", generate_prompt, SamplingParams(max_tokens=20, ignore_eos=True), priority=5)
+    engine.step()
+    engine.add_request("emb", embed_prompt, PoolingParams(), priority=0)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [output.request_id for output in engine.step()[0]]
+    assert order == ["emb", "gen"]
+    assert engine.engine_core.scheduler.num_preemptions_total == 1
+    no_leaks(llm)
