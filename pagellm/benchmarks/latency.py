@@ -7,6 +7,8 @@ in one call: generation of 1 + output_len tokens minus generation of 1). llama.c
 `llama-cpp-python` binding on the GGUF file itself, in a child process of its own (`llama_cpp_peer`: at batch 1 as
 `llama-bench`, at batch N as `llama-batched-bench`, a KV stream per sequence; fixed tokens fed back, no sampling),
 and at float32 on an F32 GGUF written here with the `gguf` package from the same weights.
+`--through generate,server` times pagellm also where users meet it: `LLM.generate()` and the OpenAI server's streams
+(latency_through.py), each printed against the engine's steps.
 Each figure is also printed against the machine's own limits, measured here: the memory bandwidth bounds
 decode (every weight byte is read once per step, and every sequence's cached K/V, as that backend stores them: at
 the mean context of the decode steps) and the matmul peak bounds prefill.
@@ -14,6 +16,7 @@ the mean context of the decode steps) and the matmul peak bounds prefill.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import random
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagellm.benchmarks.latency_through import THROUGH, generate_seconds, running_server, server_seconds
 from pagellm.benchmarks.llama_cpp_peer import require_binding
 from pagellm.benchmarks.machine import (
     kv_bytes_per_token,
@@ -60,6 +64,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", type=lambda s: s.split(","), default=["pagellm"],
                         help=f"comma-separated, from {', '.join(BACKENDS)}")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
+    parser.add_argument("--through", type=lambda s: s.split(","), default=["step"],
+                        help=f"comma-separated, from {', '.join(THROUGH)}: where pagellm is timed: its engine steps, "
+                             f"LLM.generate(), or the OpenAI server's streams (a child process)")
     parser.add_argument("--step-split", action="store_true",
                         help="print where pagellm's decode step time goes (schedule, inputs, forward, sample, ...)")
 
@@ -214,12 +221,24 @@ def write_f32_gguf(source: Path, target: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pagellm import LLM
     from pagellm.engine.arg_utils import EngineArgs
 
     unknown = set(args.backends) - set(BACKENDS)
     if unknown:
         raise SystemExit(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from {', '.join(BACKENDS)}")
+    if set(args.through) - set(THROUGH):
+        raise SystemExit(f"unknown --through {', '.join(sorted(set(args.through) - set(THROUGH)))}; choose from "
+                         f"{', '.join(THROUGH)}")
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(running_server(EngineArgs.from_cli_args(args))) if "server" in args.through \
+            else None
+        _run(args, server)
+
+
+def _run(args: argparse.Namespace, server: str | None) -> None:
+    from pagellm import LLM
+    from pagellm.engine.arg_utils import EngineArgs
+
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     model_config = llm.llm_engine.config.model_config
     device = llm.llm_engine.config.device_config.device
@@ -240,6 +259,18 @@ def run(args: argparse.Namespace) -> None:
                    for _ in range(batch)]
         if "pagellm" in args.backends:
             results.append(bench_pagellm(llm, prompts, args.output_len, args.repeats, args.step_split))
+            step = results[-1]
+            if "generate" in args.through:
+                prefill, decode = generate_seconds(llm, prompts, args.output_len, args.repeats)
+                results.append(_result("pagellm generate()", prompts, prefill, batch * args.output_len / decode,
+                                       step.weight_bytes, step.kv_bytes_per_token))
+            if server is not None:
+                prefill, decode, tpot = server_seconds(server, model_config.served_model_name, prompts,
+                                                       args.output_len, args.repeats, model_config.vocab_size)
+                results.append(_result("pagellm server", prompts, prefill, batch * args.output_len / decode,
+                                       step.weight_bytes, step.kv_bytes_per_token))
+                print(f"  pagellm server, batch {batch}: mean time between a stream's tokens (TPOT) "
+                      f"{1e3 * tpot:.2f} ms")
         if "hf" in args.backends:
             from pagellm.benchmarks.throughput import load_hf_model
 
@@ -266,7 +297,11 @@ def run(args: argparse.Namespace) -> None:
               f"{100 * r.decode_tok_s / decode_limit:>13.1f}%")
     base = {r.batch_size: r for r in results if r.backend == "pagellm"}
     for r in results:
-        if r.backend != "pagellm" and r.batch_size in base:
+        if r.backend.startswith("pagellm ") and r.batch_size in base:
+            print(f"{r.backend} / pagellm steps at batch {r.batch_size}: decode "
+                  f"{r.decode_tok_s / base[r.batch_size].decode_tok_s:.3f}x (the work around the steps: "
+                  f"{100 * (base[r.batch_size].decode_tok_s / r.decode_tok_s - 1):.1f}% of their time)")
+        elif r.backend != "pagellm" and r.batch_size in base:
             ours = base[r.batch_size]
             print(f"pagellm / {r.backend} at batch {r.batch_size}: prefill {ours.prefill_tok_s / r.prefill_tok_s:.2f}x,"
                   f" decode {ours.decode_tok_s / r.decode_tok_s:.2f}x")

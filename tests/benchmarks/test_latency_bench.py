@@ -268,3 +268,23 @@ def test_random_gguf_has_the_mix_and_runs_packed(tmp_path, mix):
     out = llm.generate([{"prompt_token_ids": [5, 60, 200, 7]}],
                        SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
     assert all(np.isfinite(lp.logprob) for entry in out.outputs[0].logprobs for lp in entry.values())
+
+
+def test_latency_through_generate_and_the_server(tiny_model_factory):
+    """--through: the same prompts timed through LLM.generate() and through the OpenAI server's streams (a child
+    process), each printed with its ratio to the engine's steps, and the server's TPOT."""
+    out = cli("latency", "--model", str(tiny_model_factory("llama")), "--batch-size", "1,2", "--input-len", "8",
+              "--output-len", "8", "--repeats", "1", "--through", "step,generate,server", "--kv-cache-memory", "8MiB")
+    rows = {(m[1], m[2]): line.split() for line in out.splitlines()
+            if (m := re.match(r"\s*(pagellm(?: generate\(\)| server)?)\s+(\d+)\s+[\d.]+\s", line))}
+    assert set(rows) == {(name, batch) for name in ("pagellm", "pagellm generate()", "pagellm server")
+                         for batch in ("1", "2")}, out
+    assert all(float(r[-6]) > 0 and float(r[-4]) > 0 for r in rows.values())  # prefill and decode tok/s
+    assert out.count("/ pagellm steps at batch") == 4  # generate() and server, at batch 1 and 2
+    assert re.search(r"pagellm server, batch 2: mean time between a stream's tokens \(TPOT\) [\d.]+ ms", out)
+
+
+def test_latency_refuses_an_unknown_through():
+    result = subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", "bench", "latency", "--through", "x"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "unknown --through x" in result.stderr
