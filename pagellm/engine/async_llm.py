@@ -72,8 +72,8 @@ class AsyncLLM:
                     log_stats: bool = True) -> AsyncLLM:
         """Serve with this engine's core, stepped by a thread of this process, and its front end."""
         _check_max_waiting_requests(max_waiting_requests)
-        return cls(InprocClient(engine.engine_core, max_waiting_requests), engine.frontend, max_waiting_requests,
-                   log_stats)
+        return cls(InprocClient(lambda: engine.engine_core, max_waiting_requests), engine.frontend,
+                   max_waiting_requests, log_stats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_waiting_requests: int | None = None,
@@ -82,7 +82,7 @@ class AsyncLLM:
         config = args.create_engine_config()
         client: EngineCoreClient
         if config.parallel_config.data_parallel_size == 1:
-            client = InprocClient(EngineCore(config), max_waiting_requests)
+            client = InprocClient(lambda: EngineCore(config), max_waiting_requests)
         else:
             from pagellm.engine.dp_client import DPClient
 

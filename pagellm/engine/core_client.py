@@ -70,10 +70,10 @@ class EngineCoreClient(ABC):
 
 
 class InprocClient(EngineCoreClient):
-    def __init__(self, core: EngineCore, max_waiting_requests: int | None = None) -> None:
-        self.core = core  # touched only by the loop's thread once that runs
-        self.max_waiting_requests = max_waiting_requests
-        self._loop: EngineCoreLoop | None = None
+    def __init__(self, build_core: Callable[[], EngineCore], max_waiting_requests: int | None = None) -> None:
+        """The core is built by `build_core` on the loop's thread, which then steps it (see core_loop.py)."""
+        self._loop = EngineCoreLoop(build_core, max_waiting_requests)
+        self.core = self._loop.core  # touched only by the loop's thread once that runs
 
     @property
     def num_blocks(self) -> int:
@@ -83,9 +83,7 @@ class InprocClient(EngineCoreClient):
         return [self.core.scheduler.stats()]
 
     def start(self, on_update: UpdateCallback, on_dead: DeadCallback) -> None:
-        self._loop = EngineCoreLoop(self.core, lambda update: on_update(0, update), on_dead,
-                                    self.max_waiting_requests)
-        self._loop.start()
+        self._loop.start(lambda update: on_update(0, update), on_dead)
 
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> int:
         self._loop.add_request(request, beam_group)
@@ -101,7 +99,4 @@ class InprocClient(EngineCoreClient):
         return self.core.scheduler.num_fitting(demands)  # reads only constants: safe from any thread
 
     def shutdown(self) -> None:
-        if self._loop is not None:
-            self._loop.shutdown()
-        else:
-            self.core.shutdown()
+        self._loop.shutdown()

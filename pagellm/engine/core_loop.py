@@ -1,6 +1,11 @@
-"""EngineCoreLoop: one EngineCore stepped by a thread of its own, fed through an inbox.
+"""EngineCoreLoop: one EngineCore built and stepped by a thread of its own, fed through an inbox.
 
-The loop owns the core: nothing else touches the scheduler or the executor once it runs. Other threads (the server's
+The loop owns the core: its thread builds it (loading the model) as well as steps it, so on the CPU every OpenMP
+parallel region of the engine starts from that one thread. libgomp keeps a thread pool per thread that starts
+regions; a second pool (the model loaded on the main thread, then stepped on this one) puts more pool threads on
+the cores than there are cores, and libgomp then parks its idle workers almost at once, so every kernel call waits
+for its workers to wake: a batch-1 decode step took 2.2x as long (9.6 against 4.4 ms on SmolLM2, 2 cores).
+Nothing else touches the scheduler or the executor once it runs. Other threads (the server's
 event loop, or a replica process's pipe reader) queue commands: add and abort (the hot path), `call_utility` (any
 `@utility` method of EngineCore, by name: finish after a stop string, the dashboard's state snapshot, ...; its
 result comes back in a Future) and shutdown. The loop applies them between steps, sleeps on the inbox while idle, and
@@ -54,21 +59,37 @@ _SHUTDOWN = object()
 
 
 class EngineCoreLoop:
-    def __init__(self, core: EngineCore, publish: Callable[[CoreUpdate], None], on_dead: Callable[[str], None],
-                 max_waiting_requests: int | None = None) -> None:
-        self.core = core
-        self._publish = publish
-        self._on_dead = on_dead
+    def __init__(self, build_core: Callable[[], EngineCore], max_waiting_requests: int | None = None) -> None:
+        """Start the loop's thread, which builds the core with `build_core` and then waits for `start`; returns once
+        the core is built (raising what building it raised)."""
         self.max_waiting_requests = max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()  # requests in the core, by request (group) id
         self._refused: dict[str, BaseException] = {}
-        # A worker that dies wakes the loop even when it is idle, so /health turns 503 at once.
-        core.executor.on_failure(lambda reason: self._inbox.put(_ExecutorFailed(reason)))
-        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
-
-    def start(self) -> None:
+        self._publish: Callable[[CoreUpdate], None] = lambda update: None
+        self._on_dead: Callable[[str], None] = lambda reason: None
+        self._started = threading.Event()
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._main, args=(build_core, built), name="pagellm-engine",
+                                        daemon=True)
         self._thread.start()
+        self.core: EngineCore = built.result()
+        # A worker that dies wakes the loop even when it is idle, so /health turns 503 at once.
+        self.core.executor.on_failure(lambda reason: self._inbox.put(_ExecutorFailed(reason)))
+
+    def start(self, publish: Callable[[CoreUpdate], None], on_dead: Callable[[str], None]) -> None:
+        """Step the core from here on, reporting each pass to `publish` and the loop's end to `on_dead`."""
+        self._publish, self._on_dead = publish, on_dead
+        self._started.set()
+
+    def _main(self, build_core: Callable[[], EngineCore], built: Future) -> None:
+        try:
+            built.set_result(build_core())
+        except BaseException as exc:
+            built.set_exception(exc)
+            return
+        self._started.wait()
+        self._run()
 
     # ---- commands (any thread) --------------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:
@@ -89,6 +110,7 @@ class EngineCoreLoop:
         """Stop the loop (requests in flight are aborted) and the core's workers."""
         if self._thread.is_alive():
             self._inbox.put(_SHUTDOWN)
+            self._started.set()  # a loop never started stops too: its first look at the inbox finds the shutdown
             self._thread.join()
         self.core.shutdown()
 

@@ -157,11 +157,12 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it shuts replicas down
 
     try:
-        core = EngineCore(config)
+        # Built on the loop's thread, which steps it (see core_loop.py).
+        loop = EngineCoreLoop(lambda: EngineCore(config), max_waiting_requests)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ready", (core.num_blocks, core.scheduler.stats())))
+    conn.send(("ready", (loop.core.num_blocks, loop.core.scheduler.stats())))
 
     send_lock = threading.Lock()  # the loop's thread sends; a utility call that finished at once sends from here
 
@@ -175,9 +176,7 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
     def call_utility(token: int, method: str, args: tuple) -> None:
         loop.call_utility(method, *args).add_done_callback(lambda future: send("utility", (token, *_outcome(future))))
 
-    loop = EngineCoreLoop(core, lambda update: send("update", update), lambda reason: send("dead", reason),
-                          max_waiting_requests)
-    loop.start()
+    loop.start(lambda update: send("update", update), lambda reason: send("dead", reason))
     commands = {"add": lambda payload: loop.add_request(*payload), "abort": loop.abort_requests,
                 "utility": lambda payload: call_utility(*payload)}
     while True:

@@ -198,3 +198,37 @@ def test_shutdown_fails_requests_in_flight(engine):
     asyncio.run(run())
     assert not llm.is_running
     assert used_blocks(engine) == 0 and not engine.has_unfinished_requests()
+
+
+def test_the_engine_thread_builds_the_core_it_steps(tiny_model_factory, monkeypatch):
+    """The model is loaded, and every step runs, on the loop's one thread (core_loop.py): a second OpenMP pool on
+    another thread made each kernel call wait for parked workers (2.2x slower decode steps)."""
+    import threading
+
+    from pagellm.engine.core import EngineCore
+
+    threads: dict[str, set[str]] = {"build": set(), "step": set()}
+    build, step = EngineCore.__init__, EngineCore.step
+
+    def recording_build(self, *args, **kwargs):
+        threads["build"].add(threading.current_thread().name)
+        build(self, *args, **kwargs)
+
+    def recording_step(self):
+        threads["step"].add(threading.current_thread().name)
+        return step(self)
+
+    monkeypatch.setattr(EngineCore, "__init__", recording_build)
+    monkeypatch.setattr(EngineCore, "step", recording_step)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_model_factory("llama"), max_model_len=64,
+                                                  kv_cache_memory_bytes=4 << 20), log_stats=False)
+    try:
+        async def run() -> None:
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            async for _ in engine.generate({"prompt_token_ids": [1, 2, 3]}, params, "r"):
+                pass
+
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert threads == {"build": {"pagellm-engine"}, "step": {"pagellm-engine"}}
