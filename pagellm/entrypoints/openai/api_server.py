@@ -25,6 +25,7 @@ from pagellm.entrypoints.openai.errors import register_error_handlers
 from pagellm.entrypoints.openai.openapi import openapi_without_422
 from pagellm.entrypoints.openai.routes import ROUTERS
 from pagellm.entrypoints.openai.routes.state import ServerState, server_state, set_server_state
+from pagellm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES
 from pagellm.entrypoints.web.routes import add_web_routes
 from pagellm.logger import init_logger
 from pagellm.metrics.history import SAMPLE_INTERVAL_S
@@ -40,6 +41,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None  # a file path or the template itself
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES  # /v1/responses' LRU of `store: true` responses
 
 
 async def _every(interval_s: float, callback: Callable[[], None]) -> None:
@@ -66,7 +68,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The app owns the engine from here on: its shutdown stops the engine."""
-    state = ServerState.create(engine, config.served_model_names, config.chat_template)
+    state = ServerState.create(engine, config.served_model_names, config.chat_template, config.max_stored_responses)
     app = FastAPI(title="pagellm", version=__version__, lifespan=_lifespan)
     set_server_state(app, state)
     app.openapi = openapi_without_422(app)

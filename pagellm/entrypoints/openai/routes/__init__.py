@@ -17,6 +17,7 @@ from pagellm.entrypoints.openai.routes import (
     messages,
     metrics,
     models,
+    responses,
     score,
     tokenization,
     tokenizer_info,
@@ -29,6 +30,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     completions.router,  # /v1/completions
     chat.router,  # /v1/chat/completions
     messages.router,  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
+    responses.router,  # /v1/responses, /v1/responses/{response_id} (OpenAI's Responses API)
     tokenization.router,  # /tokenize, /detokenize
     tokenizer_info.router,  # /tokenizer_info
     embeddings.router,  # /v1/embeddings

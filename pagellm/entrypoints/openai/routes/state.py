@@ -14,6 +14,7 @@ from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import load_chat_template
+from pagellm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.metrics.history import StatsHistory
@@ -27,6 +28,7 @@ class ServerState:
     tokenizer: AsyncTokenizer
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    responses: OpenAIServingResponses  # the Responses API, on `chat`, with its stored responses
     tokenization: OpenAIServingTokenization
     embedding: OpenAIServingEmbedding
     score: OpenAIServingScore
@@ -34,9 +36,11 @@ class ServerState:
     history: StatsHistory  # the dashboard's time series
 
     @classmethod
-    def create(cls, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None) -> ServerState:
+    def create(cls, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None,
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> ServerState:
         """Build the serving objects over `engine` and register the metrics' stat loggers with it.
-        `chat_template`: a file path or the template itself (None: the tokenizer's own)."""
+        `chat_template`: a file path or the template itself (None: the tokenizer's own); `max_stored_responses`:
+        how many stored Responses API responses are kept."""
         metrics = PrometheusStatLogger(served_model_names[0], engine.get_replica_scheduler_stats,
                                        engine.config.cache_config.metrics_info(engine.config.model_config.dtype))
         engine.add_stat_logger(metrics)
@@ -44,8 +48,10 @@ class ServerState:
         engine.add_stat_logger(history)
         tokenizer = AsyncTokenizer(engine.config.model_config.tokenizer, load_chat_template(chat_template))
         serving_args = (engine, served_model_names, tokenizer)
+        chat = OpenAIServingChat(*serving_args)
         return cls(engine=engine, served_model_names=served_model_names, tokenizer=tokenizer,
-                   completion=OpenAIServingCompletion(*serving_args), chat=OpenAIServingChat(*serving_args),
+                   completion=OpenAIServingCompletion(*serving_args), chat=chat,
+                   responses=OpenAIServingResponses(chat, max_stored_responses),
                    tokenization=OpenAIServingTokenization(*serving_args),
                    embedding=OpenAIServingEmbedding(*serving_args), score=OpenAIServingScore(*serving_args),
                    metrics=metrics, history=history)

@@ -1,0 +1,306 @@
+"""OpenAI's Responses API (`/v1/responses`) through the official `openai` SDK, against the shared live server (tiny
+random-weight Llama, SmolLM2's chat template). Greedy responses equal the same conversation through
+/v1/chat/completions (text, tool calls, finish and token counts), streamed or not; input token counts equal the
+chat template's, rendered by transformers; stored responses continue, are retrieved and deleted; bad requests are
+400s naming the field. The reasoning items (with --reasoning-parser) are checked on the serving layer's mapping of
+a chat message and a chat stream."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pagellm.entrypoints.openai.protocol_responses import ChatMessage
+from pagellm.entrypoints.openai.protocol_responses_api import ResponseObject
+from pagellm.entrypoints.openai.responses_stream import ResponseEvents
+from pagellm.entrypoints.openai.serving_responses import output_items
+
+SYSTEM = "You answer in French."
+USER = "What is the weather in Paris?"
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                       "days": {"type": "integer", "enum": [1, 2, 3]}},
+                      "required": ["city", "days"]}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": WEATHER_PARAMETERS}
+CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": WEATHER_PARAMETERS}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "city"], "additionalProperties": False}
+CITY = {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}
+
+
+def greedy(**fields) -> dict:
+    return {"model": "tiny", "temperature": 0, **fields}
+
+
+def template_tokens(tokenizer, messages: list[dict]) -> int:
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False))
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"},
+                      timeout=60) as client:
+        yield client
+
+
+@pytest.mark.parametrize("max_tokens", [4, 24])
+def test_a_string_input_equals_the_chat_completion(client, tokenizer, max_tokens):
+    response = client.responses.create(**greedy(input=USER, instructions=SYSTEM, max_output_tokens=max_tokens))
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+    chat = client.chat.completions.create(**greedy(messages=messages, max_completion_tokens=max_tokens))
+    choice = chat.choices[0]
+    assert response.object == "response" and response.id.startswith("resp_") and response.model == "tiny"
+    assert [item.type for item in response.output] == ["message"] and response.output[0].role == "assistant"
+    assert response.output_text == choice.message.content
+    if choice.finish_reason == "length":
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert response.output[0].status == "incomplete"
+    else:
+        assert response.status == "completed" and response.incomplete_details is None and max_tokens == 24
+    assert response.usage.input_tokens == template_tokens(tokenizer, messages) == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+    assert response.instructions == SYSTEM and response.max_output_tokens == max_tokens and response.store is False
+
+
+def test_the_cut_status_is_the_chat_finish_reason(client):
+    response = client.responses.create(**greedy(input=USER, max_output_tokens=2))
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 2
+
+
+def test_message_items_are_the_chat_messages(client):
+    items = [{"role": "developer", "content": SYSTEM},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello."},
+                                                             {"type": "input_text", "text": USER}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour."}]},
+             {"role": "user", "content": "And tomorrow?"}]
+    response = client.responses.create(**greedy(input=items, max_output_tokens=12))
+    chat = client.chat.completions.create(**greedy(max_completion_tokens=12, messages=[
+        {"role": "developer", "content": SYSTEM}, {"role": "user", "content": f"Hello.\n{USER}"},
+        {"role": "assistant", "content": "Bonjour."}, {"role": "user", "content": "And tomorrow?"}]))
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_text_format_json_schema_makes_valid_json(client):
+    # A string schema: the random model fills an object's free whitespace until max_output_tokens.
+    response = client.responses.create(**greedy(input=USER, max_output_tokens=16, text={
+        "format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}))
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), CITY)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "city"
+
+
+@pytest.mark.parametrize("text, response_format", [
+    ({"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+     {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}),
+    ({"format": {"type": "json_object"}}, {"type": "json_object"}),
+], ids=["json_schema", "json_object"])
+def test_text_format_is_the_chat_response_format(client, text, response_format):
+    response = client.responses.create(**greedy(input=USER, max_output_tokens=24, text=text))
+    chat = client.chat.completions.create(**greedy(messages=[{"role": "user", "content": USER}],
+                                                   max_completion_tokens=24, response_format=response_format))
+    assert response.output_text == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("tool_choice, chat_choice", [
+    ({"type": "function", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}}),
+    ("required", "required"),
+], ids=["named", "required"])
+def test_function_tools_make_function_call_items(client, tool_choice, chat_choice):
+    response = client.responses.create(**greedy(input=USER, tools=[WEATHER], tool_choice=tool_choice,
+                                                max_output_tokens=64))
+    chat = client.chat.completions.create(**greedy(messages=[{"role": "user", "content": USER}],
+                                                   tools=[CHAT_WEATHER], tool_choice=chat_choice,
+                                                   max_completion_tokens=64))
+    (call,) = chat.choices[0].message.tool_calls
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "get_weather" and item.status == "completed"
+    assert item.call_id and item.id.startswith("fc_") and response.status == "completed"
+    assert item.arguments == call.function.arguments
+    arguments = json.loads(item.arguments)
+    assert arguments["city"] in ("Paris", "Rome") and arguments["days"] in (1, 2, 3)
+
+
+def test_a_function_call_output_continues_as_the_chat_tool_message(client):
+    first = client.responses.create(**greedy(input=USER, tools=[WEATHER], max_output_tokens=64,
+                                             tool_choice={"type": "function", "name": "get_weather"}))
+    (call,) = first.output
+    items = [{"role": "user", "content": USER}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "15 degrees, sunny"}]
+    response = client.responses.create(**greedy(input=items, tools=[WEATHER], tool_choice="none",
+                                                max_output_tokens=12))
+    chat = client.chat.completions.create(**greedy(max_completion_tokens=12, tools=[CHAT_WEATHER], tool_choice="none",
+                                                   messages=[
+        {"role": "user", "content": USER},
+        {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function",
+                                              "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "15 degrees, sunny"}]))
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_stored_responses_continue_and_are_retrieved_and_deleted(client):
+    first = client.responses.create(**greedy(input=USER, instructions=SYSTEM, max_output_tokens=8, store=True))
+    second = client.responses.create(**greedy(input="And tomorrow?", previous_response_id=first.id,
+                                              max_output_tokens=8, store=True))
+    # As OpenAI's: the earlier instructions do not carry over; its input and output items do.
+    chat = client.chat.completions.create(**greedy(max_completion_tokens=8, messages=[
+        {"role": "user", "content": USER}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And tomorrow?"}]))
+    assert second.output_text == chat.choices[0].message.content and second.previous_response_id == first.id
+    third = client.responses.create(**greedy(input="Thanks.", previous_response_id=second.id, max_output_tokens=8))
+    chat = client.chat.completions.create(**greedy(max_completion_tokens=8, messages=[
+        {"role": "user", "content": USER}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "Thanks."}]))
+    assert third.output_text == chat.choices[0].message.content
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match=first.id):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match=first.id) as raised:
+        client.responses.create(**greedy(input="Again.", previous_response_id=first.id))
+    assert raised.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError, match=third.id):  # not stored: stateless by default
+        client.responses.retrieve(third.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+
+
+def stream_events(client, **fields) -> list:
+    with client.responses.stream(**greedy(**fields)) as stream:
+        return list(stream)
+
+
+def assert_well_formed(events: list) -> None:
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert [event.type for event in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+
+
+@pytest.mark.parametrize("max_tokens", [3, 24])
+def test_a_stream_adds_up_to_the_greedy_response(client, max_tokens):
+    fields = {"input": USER, "instructions": SYSTEM, "max_output_tokens": max_tokens}
+    response = client.responses.create(**greedy(**fields))
+    events = stream_events(client, **fields)
+    assert_well_formed(events)
+    types = [event.type for event in events]
+    deltas = types.count("response.output_text.delta")
+    assert deltas >= 1 and types[2:] == [
+        "response.output_item.added", "response.content_part.added", *["response.output_text.delta"] * deltas,
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed" if response.status == "completed" else "response.incomplete"]
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    done = next(event for event in events if event.type == "response.output_text.done")
+    item = next(event.item for event in events if event.type == "response.output_item.done")
+    final = events[-1].response
+    assert text == done.text == item.content[0].text == final.output_text == response.output_text
+    assert item.status == response.output[0].status and final.status == response.status
+    assert final.usage.model_dump() == response.usage.model_dump()
+    assert final.incomplete_details == response.incomplete_details
+
+
+def test_a_streamed_function_call_equals_the_greedy_one(client):
+    fields = {"input": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+              "max_output_tokens": 64}
+    (call,) = client.responses.create(**greedy(**fields)).output
+    events = stream_events(client, **fields)
+    assert_well_formed(events)
+    types = [event.type for event in events]
+    assert types[2] == "response.output_item.added" and types[-3:] == [
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert set(types[3:-3]) == {"response.function_call_arguments.delta"}
+    arguments = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    assert arguments == events[-3].arguments == events[-2].item.arguments == call.arguments
+    assert events[-2].item.name == call.name and events[-1].response.output[0].arguments == call.arguments
+
+
+def test_a_stored_stream_continues(client):
+    events = stream_events(client, input=USER, max_output_tokens=6, store=True)
+    first = events[-1].response
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(**greedy(input="And tomorrow?", previous_response_id=first.id,
+                                              max_output_tokens=6))
+    chat = client.chat.completions.create(**greedy(max_completion_tokens=6, messages=[
+        {"role": "user", "content": USER}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And tomorrow?"}]))
+    assert second.output_text == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"input": USER, "temperature": 3}, "temperature"),
+    ({"input": USER, "top_p": -1}, "top_p"),
+    ({"input": []}, "input"),
+    ({}, "input"),
+    ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+    ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
+    ({"input": USER, "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": USER, "max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"input": USER, "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"input": USER, "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": USER, "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": USER, "background": True}, "background"),
+    ({"input": USER, "truncation": "auto"}, "truncation"),
+    ({"input": USER, "reasoning": {"effort": "high"}}, "reasoning"),  # SmolLM2's template reads no effort
+    ({"input": USER, "model": "gpt-5"}, "model"),
+])
+def test_bad_requests_name_the_field(http, body, field):
+    response = http.post("/v1/responses", json={"model": "tiny", **body})
+    assert response.status_code == (404 if field == "model" else 400), response.text
+    assert response.json()["error"]["param"] == field, response.text
+
+
+def test_an_unknown_response_is_a_404_naming_it(http):
+    for method in ("GET", "DELETE"):
+        response = http.request(method, "/v1/responses/resp_missing")
+        assert response.status_code == 404 and "resp_missing" in response.json()["error"]["message"]
+
+
+def test_the_routes_need_the_api_key(server):
+    for method, path in (("POST", "/v1/responses"), ("GET", "/v1/responses/x"), ("DELETE", "/v1/responses/x")):
+        assert httpx.request(method, f"{server.url}{path}", json={"input": "hi"}).status_code == 401
+
+
+def test_responses_count_in_the_engine_metrics(client, server):
+    key = ("pagellm:request_success_total", (("finished_reason", "length"),))
+    before = server.wait_until_idle()[key]
+    client.responses.create(**greedy(input=USER, max_output_tokens=2))
+    assert server.wait_until_idle()[key] == before + 1
+
+
+# ---- reasoning items (the chat path's reasoning_content, as --reasoning-parser splits it) ---------------------
+def chat_chunk(reasoning: str | None = None, content: str | None = None, finish: str | None = None) -> dict:
+    return {"id": "c", "model": "tiny", "choices": [{"index": 0, "finish_reason": finish, "delta": {
+        "reasoning_content": reasoning, "content": content}}]}
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_reasoning_becomes_a_reasoning_item_before_the_message(finish):
+    items = output_items(ChatMessage(role="assistant", reasoning_content="2 and 2 make 4.", content="4"),
+                         incomplete=finish == "length")
+    assert [item.type for item in items] == ["reasoning", "message"]
+    assert items[0].content[0].text == "2 and 2 make 4." and items[0].status == "completed"
+    assert items[1].content[0].text == "4" and items[1].status == ("incomplete" if finish == "length" else "completed")
+    events = ResponseEvents(ResponseObject(id="resp_x", status="in_progress", model="tiny"))
+    sent = [*events.chunk(chat_chunk(reasoning="2 and 2")), *events.chunk(chat_chunk(reasoning=" make 4.")),
+            *events.chunk(chat_chunk(content="4", finish=finish)), *events.close()]
+    types = [event.split("\n", 1)[0].removeprefix("event: ") for event in sent]
+    assert types == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                     "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+                     "response.output_item.done", "response.output_item.added", "response.content_part.added",
+                     "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                     "response.output_item.done"]
+    assert [json.loads(event.split("data: ", 1)[1])["sequence_number"] for event in sent] == list(range(len(sent)))
+    assert [item.model_dump(exclude={"id"}) for item in events.output] == \
+        [item.model_dump(exclude={"id"}) for item in items]
