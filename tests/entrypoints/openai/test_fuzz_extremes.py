@@ -1,5 +1,5 @@
-"""Extreme values for every request field of POST /v1/completions, /v1/chat/completions and Anthropic's /v1/messages,
-against a live server.
+"""Extreme values for every request field of POST /v1/completions, /v1/chat/completions, Anthropic's /v1/messages and
+OpenAI's /v1/responses, against a live server.
 
 Each Hypothesis example takes a small valid request (greedy, seeded sampling, min_tokens, streaming, logprobs,
 n > 1) and replaces one to three of its fields with an extreme or ill-typed value: integers at and beyond the
@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.entrypoints.openai.protocol_anthropic import AnthropicMessagesRequest
+from pagellm.entrypoints.openai.protocol_responses_api import ResponsesRequest
 
 VOCAB_SIZE = 49152  # the tiny model's (SmolLM2's tokenizer)
 EXAMPLES_PER_ENDPOINT = 600
@@ -241,6 +242,40 @@ MESSAGES_FIELDS = {
     "thinking": st.sampled_from([None, {}, 5, {"type": "disabled"}, {"type": "adaptive"},
                                  {"type": "enabled", "budget_tokens": 1024}, {"type": "enabled", "budget_tokens": -1}]),
 }
+RESPONSES_ITEMS = [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "content": [
+                       {"type": "output_text", "text": "hi"}]}, {"role": "user", "content": [{"type": "input_text"}]},
+                   {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                   {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+                   {"type": "function_call_output", "call_id": "c", "output": "ok"},
+                   {"type": "function_call_output", "call_id": "c", "output": NAN},
+                   {"type": "reasoning", "id": "r", "summary": []}, {"type": "input_image"}, {"role": 5}, {}]
+RESPONSES_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+RESPONSES_FIELDS = {
+    "model": COMMON_FIELDS["model"],
+    "input": st.one_of(st.sampled_from(STRINGS + [None, 5, [], {}]),
+                       st.lists(st.sampled_from(RESPONSES_ITEMS), min_size=1, max_size=3)),
+    "instructions": st.sampled_from(STRINGS + [5, [], None]),
+    "max_output_tokens": st.sampled_from(NUMBERS),
+    "temperature": st.sampled_from(NUMBERS),
+    "top_p": st.sampled_from(NUMBERS),
+    "stream": st.sampled_from(BOOLS),
+    "store": st.sampled_from(BOOLS),
+    "previous_response_id": st.sampled_from(STRINGS + [5, None]),
+    "tools": st.sampled_from([None, [], "x", 5, [RESPONSES_TOOL], [{}], [{"type": "web_search"}],
+                              [RESPONSES_TOOL] * 200]),
+    "tool_choice": st.sampled_from([None, "none", "auto", "required", "x", 5, {}, {"type": "function", "name": "f"},
+                                    {"type": "function", "name": "g"}]),
+    "parallel_tool_calls": st.sampled_from(BOOLS),
+    "text": st.sampled_from([None, {}, 5, {"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+                             {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}},
+                             {"format": {"type": "xml"}}]),
+    "reasoning": st.sampled_from([None, {}, 5, {"effort": "low"}, {"effort": "x"}, {"summary": "auto"}]),
+    "truncation": st.sampled_from([None, "disabled", "auto", 5]),
+    "metadata": st.sampled_from([None, {}, {"k": "v"}, {"k": 5}, {str(i): "v" for i in range(17)}, "x"]),
+    "user": COMMON_FIELDS["user"],
+    "service_tier": st.sampled_from(STRINGS + [5, None]),
+}
 
 # For the names a request model declares it refuses (`unsupported_fields`: OpenAI or vLLM parameters that are not
 # implemented): anything at all, since any value but a neutral one must be a 400.
@@ -269,6 +304,10 @@ CHAT_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
 MESSAGES_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **base}
                   for base in [{"temperature": 0}, {"temperature": 1.0, "top_k": 5}, {"stream": True},
                                {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}, "max_tokens": 4}]]
+RESPONSES_BASES = [{"model": "tiny", "input": "Hi", "max_output_tokens": 2, **base}
+                   for base in [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.5}, {"stream": True},
+                                {"store": True}, {"tools": [RESPONSES_TOOL], "tool_choice": "required",
+                                                  "max_output_tokens": 4}]]
 
 
 @dataclass(frozen=True)
@@ -383,6 +422,21 @@ def assert_message_answer(response: httpx.Response, context: str) -> None:
         f"{context}: {response.text[-500:]}"
 
 
+def assert_response_answer(response: httpx.Response, context: str) -> None:
+    """A 200 of /v1/responses: one response object, or its events from response.created to response.completed
+    (or .incomplete), or to an error event that is not a server error."""
+    if response.headers.get("content-type", "").startswith("application/json"):
+        body = response.json()
+        assert body.get("object") == "response" and isinstance(body.get("output"), list), f"{context}: {body}"
+        return
+    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert [event["sequence_number"] for event in events] == list(range(len(events))), f"{context}: {events[:3]}"
+    assert events[0]["type"] == "response.created", f"{context}: {events[:3]}"
+    last = events[-1]
+    assert last["type"] in ("response.completed", "response.incomplete") or (
+        last["type"] == "error" and int(last.get("code") or 500) < 500), f"{context}: the stream ended with {last}"
+
+
 def assert_completion_answer(response: httpx.Response, context: str) -> None:
     """A 200's body: one JSON object with choices, or server-sent events ending in [DONE] with no server error
     (a stream is told by its content type: pydantic reads "true" and 1 as a true `stream` too)."""
@@ -424,7 +478,8 @@ def send_and_check(server, http: httpx.Client, path: str, body: dict, declared: 
             f"{context}\nholds a non-finite number but was answered {response.status_code} {response.text[:300]}"
     anthropic = path.startswith("/v1/messages")
     if response.status_code == 200:
-        (assert_message_answer if anthropic else assert_completion_answer)(response, context)
+        (assert_message_answer if anthropic else assert_response_answer if path == "/v1/responses"
+         else assert_completion_answer)(response, context)
     else:
         (assert_anthropic_error if anthropic else assert_openai_error)(response, context)
     return response.status_code
@@ -493,6 +548,7 @@ def test_every_request_field_is_fuzzed():
     assert set(CompletionRequest.model_fields) <= set(COMPLETION_FIELDS)
     assert set(ChatCompletionRequest.model_fields) <= set(CHAT_FIELDS)
     assert set(AnthropicMessagesRequest.model_fields) <= set(MESSAGES_FIELDS)
+    assert set(ResponsesRequest.model_fields) <= set(RESPONSES_FIELDS)
 
 
 def test_server_is_sound_before_fuzzing(fuzz_server, http, greedy_text):
@@ -505,7 +561,8 @@ def test_server_is_sound_before_fuzzing(fuzz_server, http, greedy_text):
     ("/v1/chat/completions", ChatCompletionRequest, CHAT_BASES, fuzzed_fields(ChatCompletionRequest, CHAT_FIELDS)),
     ("/v1/messages", AnthropicMessagesRequest, MESSAGES_BASES,
      fuzzed_fields(AnthropicMessagesRequest, MESSAGES_FIELDS)),
-], ids=["completions", "chat", "messages"])
+    ("/v1/responses", ResponsesRequest, RESPONSES_BASES, fuzzed_fields(ResponsesRequest, RESPONSES_FIELDS)),
+], ids=["completions", "chat", "messages", "responses"])
 def test_extreme_values_get_a_200_or_a_400(fuzz_server, http, greedy_text, path, model, bases, fields):
     mutated, statuses = fuzz(fuzz_server, http, path, model, bases, fields)
     print(f"{path}: {sum(statuses.values())} requests, by status {dict(statuses)}; "
