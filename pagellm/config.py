@@ -279,6 +279,22 @@ class DeviceConfig:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig:
+    """Multi-LoRA (vLLM's flags): PEFT adapters applied per request over the unchanged base weights."""
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()  # "name=path" adapters the server serves from the start
+    max_loras: int = 1  # adapters the server serves at once, and the worker keeps loaded (LRU)
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}.")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora.")
+
+
+@dataclass(kw_only=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -286,6 +302,7 @@ class EngineConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         self.scheduler_config.check_fits(self.model_config.max_model_len)

@@ -276,3 +276,38 @@ def start_server(tmp_path_factory) -> Callable[..., Iterator[RemoteServer]]:
             server.stop()
 
     return start
+
+
+def make_peft_adapter(base_dir: Path, path: Path, seed: int = 0, rank: int = 8, alpha: int = 16,
+                      target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"),
+                      use_rslora: bool = False, scale: float = 0.1) -> Path:
+    """Save a PEFT LoRA adapter of `base_dir` with random non-zero A and B (PEFT's B starts at zero) into `path`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora,
+                        lora_dropout=0.0)
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def peft_adapter_factory(tmp_path_factory):
+    """make(base_dir, **make_peft_adapter's options) -> an adapter directory, made once per set of options."""
+    cache: dict[str, Path] = {}
+
+    def make(base_dir: Path, **options) -> Path:
+        key = str(base_dir) + repr(sorted(options.items()))
+        if key not in cache:
+            cache[key] = make_peft_adapter(base_dir, tmp_path_factory.mktemp("lora"), **options)
+        return cache[key]
+
+    return make

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.request import StructuredOutputRequest
@@ -55,6 +56,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # with --scheduling-policy priority: lower runs first, ties by arrival (vLLM's convention)
     cache_salt: str | None = None  # mixed into the first block's hash: different salts share no cached blocks
+    lora_request: LoRARequest | None = None  # the adapter it runs with; its id is in the first block's hash too
     first_scheduled_time: float | None = None
     # The user's request id, and which of its sequences this is: with n > 1 the first sample forks the request
     # into n sequences (`{group_id}/{index}` for index > 0) that share the prompt's KV blocks.

@@ -20,6 +20,7 @@ from pagellm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -81,6 +82,10 @@ class EngineArgs:
     # model's default (PoolerConfig()). `pooling` sets only its pooling_type (pagellm's shorthand, --pooling).
     pooler_config: PoolerConfig | dict | None = None
     pooling: str | None = None
+    enable_lora: bool = LoRAConfig.enable_lora
+    lora_modules: list[str] | None = None  # "name=path" (the server's adapters at start)
+    max_loras: int = LoRAConfig.max_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -146,7 +151,16 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig(
                 disable_additional_properties=self.structured_outputs_disable_additional_properties,
                 reasoning_parser=self.reasoning_parser),
+            lora_config=self._lora_config(parallel_config),
         )
+
+    def _lora_config(self, parallel: ParallelConfig) -> LoRAConfig:
+        config = LoRAConfig(enable_lora=self.enable_lora, lora_modules=tuple(self.lora_modules or ()),
+                            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+        if config.enable_lora and parallel.world_size > 1:  # adapters are applied whole, on one rank
+            raise ValueError("--enable-lora runs on one rank: drop --tensor-parallel-size / "
+                             "--pipeline-parallel-size, or run without LoRA adapters.")
+        return config
 
     def _quantization(self, device: torch.device, dtype: torch.dtype, gguf_file: Path | None) -> str:
         kernels_apply = device.type == "cpu" and dtype == torch.float32
@@ -300,6 +314,15 @@ class EngineArgs:
         parser.add_argument("--pooling", default=EngineArgs.pooling, type=str.lower,
                             choices=[t.lower() for t in POOLING_TYPES],
                             help="shorthand for --pooler-config's pooling_type: last, mean or cls")
+        parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_lora,
+                            help="serve PEFT LoRA adapters per request over the base model (one rank)")
+        parser.add_argument("--lora-modules", nargs="+", action="extend", default=EngineArgs.lora_modules,
+                            metavar="NAME=PATH", help="LoRA adapters to serve from the start, as model NAME")
+        parser.add_argument("--max-loras", type=int, default=EngineArgs.max_loras,
+                            help="LoRA adapters served at once (and kept loaded in the worker, least recently "
+                                 "used evicted)")
+        parser.add_argument("--max-lora-rank", type=int, default=EngineArgs.max_lora_rank,
+                            help="the highest LoRA rank an adapter may have")
         return parser
 
     @classmethod

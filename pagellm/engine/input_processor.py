@@ -13,13 +13,16 @@ from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import cdiv
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
+from pagellm.lora.registry import LoRARegistry
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning import get_reasoning_parser
 from pagellm.sampling_params import BeamSearchParams, ReasoningTokenIds, SamplingParams, StructuredOutputsParams
 from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import LazyBackend
 
-# "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}; a dict may add "cache_salt": "..." (vLLM's).
+# "text" | {"prompt": "text"} | {"prompt_token_ids": [...]}; a dict may add "cache_salt": "..." (vLLM's) and
+# "lora_request": LoRARequest (how LLM.generate and the server hand a request its adapter).
 PromptType = str | dict[str, Any]
 
 # What a pooling request carries as its sampling parameters: it is never sampled (see Request.pooling_params).
@@ -37,6 +40,8 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.reasoning_parser = config.structured_outputs_config.reasoning_parser
+        # With --enable-lora: the served adapters by name, and the check of each request's adapter.
+        self.loras = LoRARegistry(config.lora_config, self.model_config) if config.lora_config.enable_lora else None
         # Validates constraints against this tokenizer before queueing (special tokens a grammar names included).
         self.grammar_backend = LazyBackend(lambda: GuidanceBackend(
             tokenizer, self.model_config.vocab_size, eos_token_ids,
@@ -61,6 +66,7 @@ class InputProcessor:
         self._check_generates()
         self._validate_priority(priority)
         cache_salt = self._cache_salt(prompt)
+        lora_request = self._lora_request(prompt)
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -72,7 +78,7 @@ class InputProcessor:
         max_tokens = params.max_tokens or self.model_config.max_model_len
         return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                        eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text, priority=priority,
-                       cache_salt=cache_salt, bad_words_token_ids=bad_words_token_ids)
+                       cache_salt=cache_salt, bad_words_token_ids=bad_words_token_ids, lora_request=lora_request)
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int) -> Request:
         """A prefill-only request: its prompt is pooled (see model_executor/layers/pooler.py), nothing sampled."""
@@ -85,7 +91,7 @@ class InputProcessor:
         # grows past the prompt.
         return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=_PREFILL_ONLY,
                        eos_token_ids=frozenset(), max_tokens=1, prompt=text, priority=priority, cache_salt=cache_salt,
-                       pooling_params=params)
+                       pooling_params=params, lora_request=self._lora_request(prompt))
 
     def resolve_pooling_params(self, params: PoolingParams) -> PoolingParams:
         """A copy of `params` with what the engine decides: the pooling type (the engine's; classify reads the last
@@ -130,7 +136,7 @@ class InputProcessor:
                                   logprobs=min(2 * params.beam_width, self.model_config.vocab_size))
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=sampling,
                           eos_token_ids=self.eos_token_ids, max_tokens=params.max_tokens, prompt=text,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, lora_request=self._lora_request(prompt))
         return request, BeamGroup(request_id, params, self.eos_token_ids)
 
     def _check_generates(self) -> None:
@@ -160,6 +166,19 @@ class InputProcessor:
             raise InvalidRequestError("cache_salt needs prefix caching, which this engine has off "
                                       "(--no-enable-prefix-caching); drop cache_salt or enable prefix caching.")
         return salt
+
+    def _lora_request(self, prompt: PromptType) -> LoRARequest | None:
+        """The prompt's adapter (None: the base model), checked against the base model and --max-lora-rank."""
+        lora = prompt.get("lora_request") if isinstance(prompt, dict) else None
+        if lora is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequestError("lora_request needs LoRA enabled (--enable-lora, enable_lora=True).")
+        try:
+            self.loras.check(lora)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        return lora
 
     def _check_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """The n sequences of a request must fit max_num_seqs, and the KV pool must hold them at their first

@@ -15,6 +15,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.exceptions import InvalidRequestError
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
@@ -52,13 +53,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate completions for all prompts together; outputs come back in input order. A prompt dict may
         carry a `cache_salt` (prompts share cached prefix blocks only with prompts of the same salt). `priority`:
-        one per prompt, lower first (needs scheduling_policy="priority")."""
+        one per prompt, lower first (needs scheduling_policy="priority"). `lora_request`: the LoRA adapter for
+        every prompt, or one (or None: the base model) per prompt (needs enable_lora=True)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _with_lora(list(prompts), lora_request)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -159,3 +162,17 @@ def _priorities(priority: Sequence[int] | None, num_prompts: int) -> Sequence[in
         raise InvalidRequestError(f"priority must be a list of one int per prompt, i.e. {num_prompts} ints; got "
                                   f"{priority!r:.60}.")
     return priority
+
+
+def _with_lora(prompts: list[PromptType], lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+               ) -> list[PromptType]:
+    """The prompts as dicts that carry their adapter (the engine's input processor checks it)."""
+    if lora_request is None:
+        return prompts
+    requests = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
+    if len(requests) != len(prompts):
+        raise InvalidRequestError(f"Got {len(requests)} lora_request for {len(prompts)} prompts; pass one "
+                                  f"LoRARequest for all, or exactly one (or None) per prompt.")
+    return [prompt if lora is None else {**({"prompt": prompt} if isinstance(prompt, str) else prompt),
+                                         "lora_request": lora}
+            for prompt, lora in zip(prompts, requests)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagellm.core.sched.output import NewRequestData, SchedulerOutput
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -26,12 +27,14 @@ class CachedRequestState:
     all_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
         return cls(data.request_id, list(data.prompt_token_ids), list(data.output_token_ids), data.sampling_params,
                    data.eos_token_ids, data.bad_words_token_ids,
-                   all_token_ids=data.prompt_token_ids + data.output_token_ids, pooling_params=data.pooling_params)
+                   all_token_ids=data.prompt_token_ids + data.output_token_ids, pooling_params=data.pooling_params,
+                   lora_request=data.lora_request)
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +59,7 @@ class BatchedRequest:
     # core/sched/output.py), attached once the bitmask has come.
     grammar_bitmask: np.ndarray | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: this chunk is pooled (see layers/pooler.py)
+    lora_request: LoRARequest | None = None  # the adapter its rows run with (see lora/context.py)
 
     @property
     def num_tokens(self) -> int:
@@ -95,7 +99,8 @@ class InputBatch:
             batch.append(BatchedRequest(
                 state.request_id, token_ids, start, state.block_ids, state.sampling_params, scheduled.needs_sample,
                 state.prompt_token_ids, state.output_token_ids, state.eos_token_ids, state.bad_words_token_ids,
-                scheduled.num_samples, scheduled.pending_token, pooling_params=state.pooling_params))
+                scheduled.num_samples, scheduled.pending_token, pooling_params=state.pooling_params,
+                lora_request=state.lora_request))
         return batch
 
 

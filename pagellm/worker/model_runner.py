@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagellm.config import ModelConfig
+from pagellm.config import LoRAConfig, ModelConfig
 from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
+from pagellm.lora.context import LoRABatch, lora_batch
+from pagellm.lora.worker_manager import LoRAWorkerManager
 from pagellm.model_executor.host_copy import StagedCopy, tensor_on
 from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata, PrefillLayout, select_backend
 from pagellm.model_executor.layers.pooler import PoolingChunk, pool_chunks
@@ -82,6 +84,7 @@ class ModelInputs:
     # Async scheduling: requests whose input token the previous step did not sample (it failed, or their sampling did)
     missing_pending: list[str] = field(default_factory=list)
     pooling: list[PoolingChunk] = field(default_factory=list)  # the step's chunks of pooling requests
+    lora: LoRABatch | None = None  # the rows of each LoRA adapter, when any sequence runs with one
 
 
 @dataclass
@@ -101,8 +104,10 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device,
-                 samples: bool = True, async_output: bool = False) -> None:
+                 samples: bool = True, async_output: bool = False, lora_config: LoRAConfig | None = None) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        self.lora_manager: LoRAWorkerManager | None = None  # with --enable-lora, once the model is loaded
         self.block_size = block_size
         self.device = device
         self.samples = samples  # False on ranks whose results nobody reads: they stop after the logits
@@ -123,6 +128,9 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
         self.attn_backend = select_backend(self.device, self.model_config.dtype)
+        if self.lora_config is not None and self.lora_config.enable_lora:
+            self.lora_manager = LoRAWorkerManager(self.lora_config, self.model, self.model_config.hf_config,
+                                                  self.device)
         logger.info("Model weights: %.1f MB (quantization: %s).", self.weight_bytes() / 1e6,
                     self.model_config.quantization)
 
@@ -204,8 +212,9 @@ class ModelRunner:
         pooling = [PoolingChunk(r.request_id, int(starts[i]), r.num_tokens, r.num_computed_tokens,
                                 len(r.prompt_token_ids), r.pooling_params)
                    for i, r in enumerate(ordered) if r.pooling_params is not None]
+        lora = self.lora_manager.batch([r.lora_request for r in ordered], query_lens) if self.lora_manager else None
         return ModelInputs(t[ids], t[pos], meta, t[logits_rows], [ordered[i] for i in sampled_rows], prompt_logprobs,
-                           missing, pooling)
+                           missing, pooling, lora)
 
     def sampling_tensors(self, requests: list[BatchedRequest],
                          last_inputs: torch.Tensor | None = None) -> SamplingTensors:
@@ -287,10 +296,13 @@ class ModelRunner:
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | None:
         graphs, meta = self.decode_graphs, inputs.meta
+        # A step with LoRA rows runs eagerly: the graphs hold the base model only.
+        graphs = graphs if inputs.lora is None else None
         bucket = graphs.bucket(meta.num_decodes) if graphs is not None and not meta.prefills else None
         if bucket is not None:
             return graphs.run(bucket, inputs.input_ids, inputs.positions, meta)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        with lora_batch(inputs.lora):
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:

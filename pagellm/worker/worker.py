@@ -55,7 +55,8 @@ class Worker:
         # Only the rank whose result the engine reads samples.
         self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device,
                                         samples=rank == parallel.output_rank,
-                                        async_output=config.scheduler_config.async_scheduling)
+                                        async_output=config.scheduler_config.async_scheduling,
+                                        lora_config=config.lora_config)
         self.cache_engine: CacheEngine | None = None
         self.cpu_cores: list[int] | None = None  # the cores --cpu-affinity bound this rank to
 

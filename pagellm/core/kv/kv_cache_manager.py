@@ -108,7 +108,8 @@ class KVCacheManager:
         return computed
 
     def _block_hashes(self, request: Request) -> list[bytes]:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
+                            request.lora_request.lora_int_id if request.lora_request else None)
         return request.block_hashes
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     pooling_params: PoolingParams | None = None  # a pooling request: its prompt is pooled, nothing is sampled
+    lora_request: LoRARequest | None = None  # the adapter it runs with
 
 
 @dataclass(slots=True)

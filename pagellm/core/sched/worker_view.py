@@ -31,7 +31,7 @@ class WorkerView:
         if held is None:
             output.new_requests.append(NewRequestData(
                 request_id, list(request.prompt_token_ids), list(request.output_token_ids), request.sampling_params,
-                request.eos_token_ids, request.bad_words_token_ids, request.pooling_params))
+                request.eos_token_ids, request.bad_words_token_ids, request.pooling_params, request.lora_request))
             held = self._held[request_id] = _Held(request.num_tokens, 0)
         else:
             scheduled.new_token_ids = request.all_token_ids[held.num_tokens:]

@@ -129,6 +129,7 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagellm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); its root is the adapter's path
     max_model_len: int
 
 

@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """As `start`: submit a beam search per prompt and wait for the first to finish, so a bad request fails
         before any response is sent."""
         return await first_and_rest(self._beam_search(prompt, request, f"{request_id}-{i}")
-                                    for i, prompt in enumerate(salted(prompts, request)))
+                                    for i, prompt in enumerate(self.request_prompts(prompts, request)))
 
     async def _beam_search(self, prompt: TokensPrompt, request: CompletionRequest,
                            request_id: str) -> AsyncGenerator[RequestOutput, None]:

@@ -16,6 +16,7 @@ from pagellm.entrypoints.openai.errors import OpenAIServingError
 from pagellm.entrypoints.openai.protocol import ChatMessageParam, SamplingRequest
 from pagellm.entrypoints.openai.protocol_responses import PromptTokenUsageInfo, UsageInfo
 from pagellm.entrypoints.utils import merge_async_iterators
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -40,12 +41,23 @@ class OpenAIServing:
         self.max_model_len = engine.config.model_config.max_model_len
 
     def model_name(self, requested: str | None) -> str:
-        """The name to answer with; an unknown model is a 404."""
+        """The name to answer with (a served name or a loaded LoRA adapter's); an unknown model is a 404."""
         if requested is None:
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and self.lora_request(requested) is None:
             raise OpenAIServingError(f"The model `{requested}` does not exist.", HTTPStatus.NOT_FOUND, "model")
         return requested
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter served as `model`, if it names one."""
+        loras = self.engine.frontend.input_processor.loras
+        return loras.get(model) if loras is not None and model else None
+
+    def request_prompts(self, prompts: list[TokensPrompt], request: SamplingRequest) -> list[TokensPrompt]:
+        """The prompts with the request's cache_salt and the LoRA adapter its `model` names, if any."""
+        lora = self.lora_request(request.model)
+        prompts = salted(prompts, request)
+        return prompts if lora is None else [{**prompt, "lora_request": lora} for prompt in prompts]
 
     def _too_long(self, num_tokens: int, param: str, at_least: bool = False) -> OpenAIServingError:
         count = f"at least {num_tokens}" if at_least else str(num_tokens)
@@ -114,7 +126,7 @@ class OpenAIServing:
         a bad request fails before any response is sent. Returns that first (prompt index, output) and the merged
         stream of the rest."""
         return await first_and_rest(self.engine.generate(prompt, params, f"{request_id}-{i}", request.priority)
-                                    for i, prompt in enumerate(salted(prompts, request)))
+                                    for i, prompt in enumerate(self.request_prompts(prompts, request)))
 
 
 def salted(prompts: list[TokensPrompt], request: SamplingRequest) -> list[TokensPrompt]:

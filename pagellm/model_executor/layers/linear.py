@@ -24,6 +24,7 @@ from torch import nn
 
 from pagellm.distributed.parallel_state import GroupCoordinator, get_tp_group
 from pagellm.kernels import linear as kernels
+from pagellm.lora import context as lora_context
 from pagellm.model_executor.layers.quantization import PackedTensor, quantize_q8_0
 from pagellm.model_executor.layers.sharding import Weight, check_shape, divide, narrow_columns, narrow_rows
 
@@ -50,8 +51,14 @@ class Linear(nn.Module):
         self.kernel: kernels.PackedMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x)
+        out = self.matmul_lora(x)
         return out if self.bias is None else out + self.bias
+
+    def matmul_lora(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T plus, for rows that run with a LoRA adapter, its delta (see lora/context.py)."""
+        out = self.matmul(x)
+        lora = lora_context.current()
+        return out if lora is None else lora.add_deltas(self, x, out)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, without the bias."""
@@ -226,7 +233,7 @@ class RowParallelLinear(Linear):
         super().__init__(divide(input_size, self.tp.world_size, "input size"), output_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.matmul(x))
+        out = self.tp.all_reduce(self.matmul_lora(x))
         return out if self.bias is None else out + self.bias
 
     def load_weight(self, loaded: Weight, quantization: str) -> None:

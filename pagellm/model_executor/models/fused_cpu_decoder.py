@@ -17,6 +17,7 @@ from torch import nn
 
 from pagellm.kernels import decoder as fused_decoder_kernels
 from pagellm.kernels import elementwise
+from pagellm.lora import context as lora_context
 from pagellm.kernels.decoder import FusedDecoder, LayerWeights
 from pagellm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from pagellm.model_executor.layers.attention import AttentionMetadata, select_backend
@@ -96,7 +97,9 @@ class FusedDecodeStep:
             meta: AttentionMetadata) -> torch.Tensor | None:
         """The layers' output for a batch of decodes only, in one call; None when the batch has prefills, is wider
         than the C matmul takes, or the step does not apply (then the caller runs its modules)."""
-        if meta.prefills or meta.num_decodes > KERNEL_MAX_ROWS or self.decoder is None:
+        if meta.prefills or meta.num_decodes > KERNEL_MAX_ROWS or lora_context.current() is not None:
+            return None  # LoRA rows: the C step has no adapter deltas, the modules add them
+        if self.decoder is None:
             return None
         return self.decoder.forward(hidden, positions, kv_caches, meta.slot_mapping, meta.decode_block_tables,
                                     meta.decode_seq_lens)

@@ -14,6 +14,7 @@ from pagellm.entrypoints.openai.routes import (
     completions,
     embeddings,
     health,
+    lora,
     messages,
     metrics,
     models,
@@ -27,6 +28,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     health.router,  # /health, /version
     metrics.router,  # /metrics
     models.router,  # /v1/models
+    lora.router,  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     completions.router,  # /v1/completions
     chat.router,  # /v1/chat/completions
     messages.router,  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)

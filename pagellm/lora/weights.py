@@ -1,0 +1,60 @@
+"""An adapter laid out on the model's layers: one (A, B) pair per linear layer it changes, in float32. Fused layers
+(q|k|v, gate|up) stack their projections' A's along the rank and place each B in its own rows and rank columns
+(block diagonal), so one pair of matmuls serves the whole fused layer; `scaling` is folded into B."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagellm.lora.peft import PEFTAdapter
+from pagellm.model_executor.layers.linear import Linear
+
+# PEFT projection -> (pagellm layer name, its shard in that layer)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+          "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
+
+
+@dataclass(frozen=True)
+class LoRALayerWeights:
+    a: torch.Tensor  # [rank total, input features]
+    b: torch.Tensor  # [output features, rank total], scaled
+
+
+@dataclass(frozen=True)
+class LoRAModel:
+    lora_int_id: int
+    layers: dict[nn.Module, LoRALayerWeights]  # keyed by the model's layer objects
+
+
+def build_lora_model(lora_int_id: int, adapter: PEFTAdapter, model: nn.Module, device: torch.device) -> LoRAModel:
+    """Place `adapter` on `model`'s linear layers (one rank: the layers' sizes are the checkpoint's)."""
+    by_layer: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (module, projection), ab in adapter.weights.items():
+        name, shard = _FUSED[projection]
+        # PEFT names the Hugging Face model ("model.layers.0.self_attn"); pagellm's model holds "layers" itself.
+        by_layer.setdefault(f"{module.removeprefix('model.')}.{name}", {})[shard] = ab
+    layers = {}
+    for name, shards in by_layer.items():
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"LoRA adapter {adapter.path}: this model has no layer {name}.") from None
+        if not isinstance(layer, Linear):
+            raise ValueError(f"LoRA adapter {adapter.path}: {name} is not a linear layer in this model.")
+        offsets = getattr(layer, "offsets", [0])
+        sizes = getattr(layer, "output_sizes", [layer.output_size])
+        a = torch.cat([shards[i][0] for i in sorted(shards)])
+        b = torch.zeros(layer.output_size, a.shape[0])
+        col = 0
+        for i in sorted(shards):
+            part = shards[i][1]
+            if part.shape[0] != sizes[i]:
+                raise ValueError(f"LoRA adapter {adapter.path}: {name} shard {i} has {sizes[i]} rows, the adapter's "
+                                 f"B has {part.shape[0]}.")
+            b[offsets[i]:offsets[i] + sizes[i], col:col + part.shape[1]] = part * adapter.scaling
+            col += part.shape[1]
+        layers[layer] = LoRALayerWeights(a.to(device).contiguous(), b.to(device).contiguous())
+    return LoRAModel(lora_int_id, layers)
