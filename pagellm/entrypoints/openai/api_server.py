@@ -23,9 +23,9 @@ from pagellm.entrypoints.openai.auth import APIKeyMiddleware
 from pagellm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
 from pagellm.entrypoints.openai.errors import register_error_handlers
 from pagellm.entrypoints.openai.openapi import openapi_without_422
+from pagellm.entrypoints.openai.protocol_responses_api import DEFAULT_MAX_STORED_RESPONSES
 from pagellm.entrypoints.openai.routes import ROUTERS
 from pagellm.entrypoints.openai.routes.state import ServerState, server_state, set_server_state
-from pagellm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES
 from pagellm.entrypoints.web.routes import add_web_routes
 from pagellm.logger import init_logger
 from pagellm.metrics.history import SAMPLE_INTERVAL_S
@@ -118,7 +118,8 @@ def run_server(args: argparse.Namespace) -> int:
         config = ServerConfig(served_model_names=args.served_model_names or [
                                   engine.config.model_config.served_model_name],
                               api_key=args.api_key or envs.api_key(), chat_template=args.chat_template,
-                              max_request_body_bytes=args.max_request_body_bytes)
+                              max_request_body_bytes=args.max_request_body_bytes,
+                              max_stored_responses=args.max_stored_responses)
         app = build_app(engine, config)
         server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                         timeout_graceful_shutdown=10), engine)

@@ -5,6 +5,14 @@ import argparse
 
 from pagellm.engine.arg_utils import EngineArgs, parse_size
 from pagellm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pagellm.entrypoints.openai.protocol_responses_api import DEFAULT_MAX_STORED_RESPONSES
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,6 +32,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: unbounded)")
     parser.add_argument("--max-request-body-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="answer 413 to a request body larger than this, e.g. 16MiB (default: 16MiB)")
+    parser.add_argument("--max-stored-responses", type=_non_negative_int, default=DEFAULT_MAX_STORED_RESPONSES,
+                        help="/v1/responses keeps this many `store: true` responses in memory, the least recently "
+                             "used dropped first (default: %(default)s)")
     parser.add_argument("--disable-log-stats", action="store_true", help="no periodic stats log line")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])

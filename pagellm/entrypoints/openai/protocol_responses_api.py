@@ -19,6 +19,9 @@ from pydantic_core import PydanticCustomError
 from pagellm.entrypoints.openai.protocol import MAX_TOOLS, PositiveInt64, RequestModel
 from pagellm.entrypoints.openai.protocol_base import OpenAIBaseModel
 
+# How many `store: true` responses the server keeps (--max-stored-responses; here, light to import for the CLI).
+DEFAULT_MAX_STORED_RESPONSES = 1024
+
 
 # ---- input items ------------------------------------------------------------------------------------------------
 class InputText(OpenAIBaseModel):

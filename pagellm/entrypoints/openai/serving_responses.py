@@ -24,6 +24,7 @@ from pagellm.entrypoints.openai.errors import OpenAIServingError, to_error_body
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TextContentPart
 from pagellm.entrypoints.openai.protocol_responses import ChatMessage, UsageInfo
 from pagellm.entrypoints.openai.protocol_responses_api import (
+    DEFAULT_MAX_STORED_RESPONSES,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
@@ -50,7 +51,6 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-DEFAULT_MAX_STORED_RESPONSES = 1024
 # The chat request's fields as this API names them, for errors the chat path raises.
 _FIELD_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text",
                 "reasoning_effort": "reasoning", "chat_template_kwargs": "reasoning"}

@@ -13,10 +13,11 @@ import jsonschema
 import openai
 import pytest
 
+from pagellm.entrypoints.openai.errors import OpenAIServingError
 from pagellm.entrypoints.openai.protocol_responses import ChatMessage
 from pagellm.entrypoints.openai.protocol_responses_api import ResponseObject
 from pagellm.entrypoints.openai.responses_stream import ResponseEvents
-from pagellm.entrypoints.openai.serving_responses import output_items
+from pagellm.entrypoints.openai.serving_responses import ResponseStore, output_items
 
 SYSTEM = "You answer in French."
 USER = "What is the weather in Paris?"
@@ -277,6 +278,19 @@ def test_responses_count_in_the_engine_metrics(client, server):
     before = server.wait_until_idle()[key]
     client.responses.create(**greedy(input=USER, max_output_tokens=2))
     assert server.wait_until_idle()[key] == before + 1
+
+
+def test_the_store_drops_the_least_recently_used():
+    store = ResponseStore(max_size=2)
+    responses = [ResponseObject(id=f"resp_{i}", status="completed", model="tiny") for i in range(3)]
+    store.put(responses[0], [])
+    store.put(responses[1], [])
+    store.get("resp_0")  # used: resp_1 is now the oldest
+    store.put(responses[2], [])
+    assert store.get("resp_0")[0] is responses[0] and store.get("resp_2")[0] is responses[2]
+    with pytest.raises(OpenAIServingError, match="resp_1"):
+        store.get("resp_1")
+    assert ResponseStore(max_size=0).put(responses[0], []) is None  # nothing kept, nothing raised
 
 
 # ---- reasoning items (the chat path's reasoning_content, as --reasoning-parser splits it) ---------------------

@@ -10,11 +10,12 @@ from fastapi import Depends, FastAPI, Request
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
+from pagellm.entrypoints.openai.protocol_responses_api import DEFAULT_MAX_STORED_RESPONSES
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import load_chat_template
-from pagellm.entrypoints.openai.serving_responses import DEFAULT_MAX_STORED_RESPONSES, OpenAIServingResponses
+from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.metrics.history import StatsHistory
