@@ -2,8 +2,9 @@
 random-weight Llama, SmolLM2's chat template). Greedy responses equal the same conversation through
 /v1/chat/completions (text, tool calls, finish and token counts), streamed or not; input token counts equal the
 chat template's, rendered by transformers; stored responses continue, are retrieved and deleted; bad requests are
-400s naming the field. The reasoning items (with --reasoning-parser) are checked on the serving layer's mapping of
-a chat message and a chat stream."""
+400s naming the field. Reasoning items (--reasoning-parser qwen3, over the shared tiny random Qwen3 with `<think>`
+tokens) equal the chat completion's reasoning_content, and the serving layer's mapping of a chat message with both
+reasoning and content, whole and streamed, is checked on its own."""
 from __future__ import annotations
 
 import json
@@ -294,6 +295,40 @@ def test_the_store_drops_the_least_recently_used():
 
 
 # ---- reasoning items (the chat path's reasoning_content, as --reasoning-parser splits it) ---------------------
+# A Qwen3-format template whose generation prompt opens the reasoning, as Qwen3-Thinking's does.
+THINKING_TEMPLATE = (r"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + "
+                     r"'<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+                     r"{{- '<|im_start|>assistant\n<think>\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def reasoning_client(qwen3_thinking_dir, start_server, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    for server in start_server(qwen3_thinking_dir, "--chat-template", str(template), "--reasoning-parser", "qwen3",
+                               "--max-num-seqs", "4"):
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_reasoning_is_a_reasoning_item_streamed_or_not(reasoning_client):
+    response = reasoning_client.responses.create(**greedy(input=USER, max_output_tokens=8))
+    chat = reasoning_client.chat.completions.create(**greedy(messages=[{"role": "user", "content": USER}],
+                                                             max_completion_tokens=8))
+    message = chat.choices[0].message
+    assert message.model_extra["reasoning_content"]  # random weights rarely close </think> within 8 tokens
+    reasoning = [item for item in response.output if item.type == "reasoning"]
+    assert [item.type for item in response.output[:1]] == ["reasoning"] and len(reasoning) == 1
+    assert reasoning[0].content[0].text == message.model_extra["reasoning_content"]
+    assert response.output_text == (message.content or "")
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens == 8
+    events = stream_events(reasoning_client, input=USER, max_output_tokens=8)
+    assert_well_formed(events)
+    deltas = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    done = next(event for event in events if event.type == "response.reasoning_text.done")
+    assert deltas == done.text == reasoning[0].content[0].text
+    assert events[-1].response.output[0].content[0].text == reasoning[0].content[0].text
+
+
 def chat_chunk(reasoning: str | None = None, content: str | None = None, finish: str | None = None) -> dict:
     return {"id": "c", "model": "tiny", "choices": [{"index": 0, "finish_reason": finish, "delta": {
         "reasoning_content": reasoning, "content": content}}]}
