@@ -63,6 +63,10 @@ TINY_CONFIGS = {
                    head_dim=32, sliding_window=16, query_pre_attn_scalar=24, tie_word_embeddings=True,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    # SmolLM3's NoPE layers, one in two here (layers 1 and 3 attend without RoPE; the real model: one in four).
+    "smollm3": dict(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
+                    tie_word_embeddings=True),
 }
 
 

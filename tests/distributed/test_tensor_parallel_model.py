@@ -1,7 +1,8 @@
-"""The Llama-family model under tensor parallelism: two gloo ranks each build the model from a tiny random
-checkpoint, keep their shard of every layer and run the same batches through their own paged KV cache (sized
-by `ModelConfig.get_num_kv_heads`): prefills, decodes and a chunked prefill that reads the cache. Every rank's
-logits must equal the one-process model's and, for float weights, transformers'."""
+"""Every model family (the Llama relatives, Phi-3, Qwen3-MoE, Gemma 3, SmolLM3) under tensor parallelism: two gloo
+ranks each build the model from a tiny random checkpoint, keep their shard of every layer and run the same batches
+through their own paged KV cache (sized by `ModelConfig.get_num_kv_heads`): prefills, decodes and a chunked prefill
+that reads the cache. Every rank's logits must equal the one-process model's and, for float weights,
+transformers'."""
 from __future__ import annotations
 
 import pytest
@@ -108,6 +109,10 @@ VARIANTS = {  # name: (tiny model kind, weight storage, config overrides)
     "llama-biases-odd-vocab": ("llama", "none", dict(attention_bias=True, mlp_bias=True, vocab_size=49151)),
     "llama-int8": ("llama", "int8", {}),  # each rank quantizes its float shard
     "llama3-gguf-q8_0": ("llama3", "gguf-q8_0", {}),  # packed rows and whole blocks of columns sliced
+    "phi3-partial-rotary": ("phi3", "none", {}),  # fused qkv/gate_up checkpoint matrices split per rank
+    "qwen3-moe": ("qwen3_moe", "none", {}),  # every expert's intermediate slice per rank
+    "gemma3": ("gemma3", "none", {}),  # per-layer-type RoPE, four (1 + w) norms a layer, Q/K norms, tied head
+    "smollm3-nope": ("smollm3", "none", {}),  # layers 1 and 3 without RoPE
 }
 
 

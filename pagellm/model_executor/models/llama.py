@@ -1,7 +1,7 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral with its sliding window), parameterised for its
-close relatives: QKV bias (Qwen2) and per-head Q/K RMSNorm (Qwen3) are switches, not copies of the model. Loading
-(model_loader/weight_utils.py), pipeline stages (pipeline.py) and the one-call CPU decode step
-(fused_cpu_decoder.py) are shared code.
+close relatives: QKV bias (Qwen2), per-head Q/K RMSNorm (Qwen3) and layers without RoPE (SmolLM3's NoPE layers,
+`uses_rope`) are switches, not copies of the model. Loading (model_loader/weight_utils.py), pipeline stages
+(pipeline.py) and the one-call CPU decode step (fused_cpu_decoder.py) are shared code.
 
 Under tensor parallelism (the TP group set up before the model is built) each rank holds a slice of every layer:
 its attention heads (attention and its KV cache see only those; Q/K norms act per head), its MLP columns and
@@ -34,7 +34,8 @@ from pagellm.model_executor.models.pipeline import StageLayers, held_elsewhere
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, index: int, rotary_emb: RotaryEmbedding | None, qkv_bias: bool,
+                 qk_norm: bool) -> None:
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
                                         bias=getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = rotary_emb
+        self.rotary_emb = rotary_emb  # None: queries and keys attend without positions
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               sliding_window=layer_sliding_window(config, index))
 
@@ -58,12 +59,13 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(rope, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(rope, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, index: int, rotary_emb: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config, index: int, rotary_emb: RotaryEmbedding | None, qkv_bias: bool, qk_norm: bool,
                  mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, index, rotary_emb, qkv_bias, qk_norm)
@@ -99,14 +101,21 @@ class LlamaForCausalLM(nn.Module):
         # One cos/sin cache shared by every layer.
         self.rotary_emb = RotaryEmbedding(config, head_dim, max_position)
         self.stage = StageLayers(config.num_hidden_layers, lambda index: LlamaDecoderLayer(
-            config, index, self.rotary_emb, qkv_bias, self.qk_norm, self.make_mlp(config, index)))
+            config, index, self.rotary_emb if self.uses_rope(config, index) else None, qkv_bias, self.qk_norm,
+            self.make_mlp(config, index)))
         self.layers = self.stage.layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
         has_lm_head = is_last and not self.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if has_lm_head else None
+        # The one C call rotates every layer's queries and keys: a stage with a NoPE layer runs module by module.
         self.fused_step = FusedDecodeStep(lambda: build_fused_decoder(
             self.stage.own, config, self.tp_size, rotary_of=lambda layer: self.rotary_emb)
-            if self.use_fused_decoder else None)
+            if self.use_fused_decoder and all(layer.self_attn.rotary_emb is not None for layer in self.stage.own)
+            else None)
+
+    def uses_rope(self, config, index: int) -> bool:
+        """Whether layer `index` rotates its queries and keys; a family with position-free layers overrides it."""
+        return True
 
     def make_mlp(self, config, index: int) -> nn.Module:
         """Layer `index`'s MLP; a family whose layers differ there (a mixture of experts) overrides it."""
