@@ -58,10 +58,27 @@ FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
 ALL_TYPES = FLOAT_TYPES + QUANTIZABLE + list(RAW_BLOCK_FP16_OFFSETS)
 
 
-def _tiny_vocab() -> list[str]:
+def tiny_vocab() -> list[str]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     return SPECIALS + sorted(bytes_to_unicode().values()) + [m.replace(" ", "") for m in MERGES]
+
+
+def add_tiny_tokenizer(w: gguf.GGUFWriter) -> int:
+    """Write a byte-level BPE tokenizer (the special tokens, the 256 byte tokens and a few merges) and the chat
+    template into `w`; return the vocabulary size."""
+    vocab = tiny_vocab()
+    w.add_vocab_size(len(vocab))
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(vocab)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    return len(vocab)
 
 
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -69,14 +86,16 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
+def encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
+    """`w` ([..., columns]) as `qtype` blocks ([..., bytes per row]): quantized, or random blocks for the types the
+    gguf package cannot quantize."""
     if qtype in RAW_BLOCK_FP16_OFFSETS:
         block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, size=(w.size // block_elems, block_bytes), dtype=np.uint8)
         for off in RAW_BLOCK_FP16_OFFSETS[qtype]:
             scale = rng.uniform(-0.01, 0.01, size=blocks.shape[0]).astype(np.float16)
             blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
-        return blocks.reshape(w.shape[0], -1)
+        return blocks.reshape(*w.shape[:-1], -1)
     return gguf.quants.quantize(w, qtype)
 
 
@@ -86,7 +105,6 @@ def write_tiny_gguf(path: pathlib.Path, qtype: QT, *, arch: str = "llama", tied:
     """Write a tiny GGUF as llama.cpp's converter writes `arch` (llama: Q/K rows permuted; qwen2: QKV biases;
     qwen3: per-head Q/K norms); return the HF-layout float weights it was made from."""
     rng = np.random.default_rng(seed)
-    vocab = _tiny_vocab()
     head_dim = HIDDEN // heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
@@ -102,18 +120,9 @@ def write_tiny_gguf(path: pathlib.Path, qtype: QT, *, arch: str = "llama", tied:
         w.add_value_length(head_dim)
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(len(vocab))
     for key, value in (rope_metadata or {}).items():
         getattr(w, f"add_rope_scaling_{key}")(value)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(vocab)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    vocab_size = add_tiny_tokenizer(w)
 
     hf: dict[str, np.ndarray] = {}
 
@@ -124,14 +133,14 @@ def write_tiny_gguf(path: pathlib.Path, qtype: QT, *, arch: str = "llama", tied:
         if qtype in (QT.F32, QT.F16):
             w.add_tensor(gguf_name, stored.astype(np.float32 if qtype == QT.F32 else np.float16))
         else:
-            w.add_tensor(gguf_name, _encode(stored, qtype, rng), raw_dtype=qtype)
+            w.add_tensor(gguf_name, encode(stored, qtype, rng), raw_dtype=qtype)
 
     def norm(gguf_name: str, hf_name: str, size: int = HIDDEN, spread: float = 0.1) -> None:
         hf[hf_name] = (1 + spread * rng.standard_normal(size)).astype(np.float32)
         w.add_tensor(gguf_name, hf[hf_name])  # llama.cpp keeps 1-D tensors in F32
 
     permuted = arch == "llama"  # convert_hf_to_gguf permutes Q/K for llama only (Qwen uses NeoX-mode rope)
-    matrix("token_embd.weight", "model.embed_tokens.weight", len(vocab), HIDDEN)
+    matrix("token_embd.weight", "model.embed_tokens.weight", vocab_size, HIDDEN)
     for i in range(LAYERS):
         p, q = f"blk.{i}.", f"model.layers.{i}."
         norm(p + "attn_norm.weight", q + "input_layernorm.weight")
@@ -152,7 +161,7 @@ def write_tiny_gguf(path: pathlib.Path, qtype: QT, *, arch: str = "llama", tied:
         matrix(p + "ffn_down.weight", q + "mlp.down_proj.weight", HIDDEN, INTERMEDIATE)
     norm("output_norm.weight", "model.norm.weight")
     if not tied:
-        matrix("output.weight", "lm_head.weight", len(vocab), HIDDEN)
+        matrix("output.weight", "lm_head.weight", vocab_size, HIDDEN)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
 
@@ -389,7 +398,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"'gpt2'.*llama"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2, qwen3, gemma3, phi3, qwen3moe"):
         convert_gguf_to_hf_dir(path)
     assert list((tmp_path / "pagellm-cache" / "gguf").iterdir()) == []
 

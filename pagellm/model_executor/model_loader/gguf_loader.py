@@ -3,8 +3,9 @@
 Owns turning a GGUF file of a supported architecture (`GGUF_ARCHITECTURES`) into a cached HF-style directory
 (config.json, model.safetensors, tokenizer files, generation_config.json, and gguf_source.json naming the file) that
 the rest of pagellm loads like any other checkpoint: dequantization via the ``gguf`` package, llama.cpp's
-tensor renaming and (for Llama) Q/K row permutation undone, rope scaling recovered from the metadata, and an atomic
-on-disk cache keyed by the file's identity. `gguf_weights` reads the same tensors packed, for the CPU kernels.
+tensor renaming, (for Llama) Q/K row permutation and (for MoE models) stacking of the experts' matrices undone, rope
+scaling recovered from the metadata and the rope tensors, and an atomic on-disk cache keyed by the file's identity.
+`gguf_weights` reads the same tensors packed, for the CPU kernels.
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import save_file
 
 from pagellm import envs
-from pagellm.model_executor.model_loader.gguf_architectures import GGUF_ARCHITECTURES, GLOBAL_TENSORS, GGUFArchitecture
+from pagellm.model_executor.model_loader.gguf_architectures import (
+    CONFIG_TENSORS,
+    EXPERT,
+    GGUF_ARCHITECTURES,
+    GLOBAL_TENSORS,
+    ROPE_FREQS,
+    GGUFArchitecture,
+)
 
 # Bump whenever the output layout changes, so stale cache entries are never reused.
-CONVERTER_VERSION = "6"
+CONVERTER_VERSION = "7"
 
 
 SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
@@ -38,8 +46,6 @@ SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 # packed from the file itself without parsing its metadata again (several seconds for a 50k-token vocabulary).
 GGUF_SOURCE_FILE = "gguf_source.json"
 
-# llama3-style rope is stored by llama.cpp as per-frequency divisors; it becomes config.rope_scaling.
-ROPE_FREQS = "rope_freqs.weight"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -93,7 +99,7 @@ def _convert(path: pathlib.Path, out_dir: pathlib.Path) -> None:
     tensors = {t.name: t for t in reader.tensors}
     architecture = GGUF_ARCHITECTURES[arch]
     config = _build_config(reader, arch, tensors)
-    plans = {name: _plan(name, architecture, config) for name in tensors if name != ROPE_FREQS}
+    plans = {name: _plan(name, architecture, config) for name in tensors if name not in CONFIG_TENSORS}
     state_dict = _build_state_dict(tensors, plans)
     # Llama's attention_bias puts a bias on all four projections; Qwen2 has them on Q, K and V only (its class
     # knows), so the output projection's bias decides.
@@ -186,7 +192,7 @@ def _build_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, Any]) -
     rope_scaling = _rope_scaling(key, tensors, config)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    config.update(architecture.extra_config(key, config))
+    config.update(architecture.extra_config(key, config, tensors))
     return config
 
 
@@ -273,10 +279,17 @@ def unpermute_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 class TensorPlan(NamedTuple):
-    """How one GGUF tensor becomes a Hugging Face one."""
+    """How one GGUF tensor becomes a Hugging Face one (or, for stacked experts, one per expert)."""
     hf_name: str
     unpermute_heads: int  # heads whose rows llama.cpp permuted (see `unpermute_rows`); 0: none
     value_offset: float  # added to the values (undoes llama.cpp's +1 on Gemma's norms)
+    experts: int  # the tensor stacks this many experts' matrices, named by `expert_names`; 0: a single tensor
+
+
+def expert_names(hf_name: str, experts: int) -> list[str]:
+    """The Hugging Face names of a planned tensor's parts (`TensorPlan.hf_name`, `.experts`): one per stacked expert
+    (outermost dimension), in order, else its one name."""
+    return [hf_name.replace(EXPERT, str(j)) for j in range(experts)] if experts else [hf_name]
 
 
 def _plan(name: str, architecture: GGUFArchitecture, config: dict[str, Any]) -> TensorPlan:
@@ -296,7 +309,7 @@ def _plan(name: str, architecture: GGUFArchitecture, config: dict[str, Any]) -> 
     elif architecture.rotary_permuted and ".attn_k." in name:
         heads = config["num_key_value_heads"]
     offset = -architecture.norm_offset if name.endswith("norm.weight") else 0.0
-    return TensorPlan(hf_name, heads, offset)
+    return TensorPlan(hf_name, heads, offset, config["num_experts"] if EXPERT in hf_name else 0)
 
 
 def _build_state_dict(tensors: dict[str, Any], plans: dict[str, TensorPlan]) -> dict[str, torch.Tensor]:
@@ -307,7 +320,13 @@ def _build_state_dict(tensors: dict[str, Any], plans: dict[str, TensorPlan]) -> 
             weight = unpermute_rows(weight, plan.unpermute_heads)
         if plan.value_offset:
             weight = weight + plan.value_offset
-        state_dict[plan.hf_name] = weight
+        names = expert_names(plan.hf_name, plan.experts)
+        if plan.experts and (weight.ndim != 3 or weight.shape[0] != plan.experts):
+            raise ValueError(f"GGUF tensor {name!r} of shape {tuple(weight.shape)} does not stack "
+                             f"{plan.experts} experts")
+        # each expert's matrix its own tensor (safetensors refuses views that share storage)
+        parts = [w.clone() for w in weight] if plan.experts else [weight]
+        state_dict.update(zip(names, parts, strict=True))
     return state_dict
 
 

@@ -3,11 +3,13 @@
 The file is read with one sequential read (mapped, for a rank that keeps a slice: see file_reader.py), and each
 tensor is found through the index the converter wrote beside the checkpoint (`gguf_loader.gguf_tensor_index`), which
 also says how it becomes the Hugging Face tensor: no metadata parsing at load. Rows of ggml blocks are independent,
-so llama.cpp's Q/K row permutation (where the index names one) is undone on the packed bytes and fused projections
-can stack packed shards. Float32 matrices and 1-D tensors (norms) come as float32 tensors.
+so llama.cpp's Q/K row permutation (where the index names one) is undone on the packed bytes, fused projections
+can stack packed shards, and a tensor stacking every expert's matrix (MoE) splits into one packed matrix per expert.
+Float32 matrices and 1-D tensors (norms) come as float32 tensors.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 
@@ -16,7 +18,12 @@ from gguf import GGMLQuantizationType, quants
 
 from pagellm.model_executor.layers.quantization import PackedTensor
 from pagellm.model_executor.model_loader.file_reader import read_file
-from pagellm.model_executor.model_loader.gguf_loader import gguf_source, gguf_tensor_index, unpermute_rows
+from pagellm.model_executor.model_loader.gguf_loader import (
+    expert_names,
+    gguf_source,
+    gguf_tensor_index,
+    unpermute_rows,
+)
 
 
 def iterate_gguf_weights(model_dir: str | os.PathLike,
@@ -29,14 +36,21 @@ def iterate_gguf_weights(model_dir: str | os.PathLike,
         qtype = GGMLQuantizationType(entry["type"])
         shape = tuple(reversed(entry["shape"]))  # GGUF lists dimensions innermost first
         raw = buffer[entry["offset"]:entry["offset"] + entry["bytes"]]
-        weight: torch.Tensor | PackedTensor
-        if len(shape) == 2 and qtype != GGMLQuantizationType.F32:
-            weight = PackedTensor(qtype, raw.view(shape[0], -1), shape)
+        names = expert_names(entry["hf_name"], entry["experts"])
+        if entry["experts"] and (len(shape) != 3 or shape[0] != entry["experts"]):
+            raise ValueError(f"GGUF tensor {entry['name']!r} of shape {shape} does not stack {len(names)} experts")
+        parts: list[torch.Tensor | PackedTensor]
+        if len(shape) >= 2 and qtype != GGMLQuantizationType.F32:
+            # [experts x] rows of blocks: each expert's matrix is a run of whole rows
+            rows = raw.view(math.prod(shape[:-1]), -1)
+            parts = [PackedTensor(qtype, part, (part.shape[0], shape[-1])) for part in rows.chunk(len(names))]
         else:  # norms (and float32 matrices): float32, as the gguf package dequantizes them
             weight = torch.from_numpy(quants.dequantize(raw.numpy(), qtype)).reshape(shape) + entry["value_offset"]
+            parts = list(weight) if entry["experts"] else [weight]
         permute_heads = entry["unpermute_heads"]
-        if permute_heads and isinstance(weight, PackedTensor):
-            weight.data = unpermute_rows(weight.data, permute_heads)
-        elif permute_heads:
-            weight = unpermute_rows(weight, permute_heads)
-        yield entry["hf_name"], weight
+        for name, part in zip(names, parts, strict=True):
+            if permute_heads and isinstance(part, PackedTensor):
+                part.data = unpermute_rows(part.data, permute_heads)
+            elif permute_heads:
+                part = unpermute_rows(part, permute_heads)
+            yield name, part
