@@ -274,6 +274,12 @@ def test_the_routes_need_the_api_key(server):
         assert httpx.request(method, f"{server.url}{path}", json={"input": "hi"}).status_code == 401
 
 
+def test_a_body_over_the_limit_is_a_413(guarded_server):
+    response = httpx.post(f"{guarded_server.url}/v1/responses", json={"model": "tiny", "input": "a" * (65 << 10)},
+                          headers={"Authorization": f"Bearer {guarded_server.api_key}"}, timeout=30)
+    assert response.status_code == 413 and "--max-request-body-bytes" in response.json()["error"]["message"]
+
+
 def test_responses_count_in_the_engine_metrics(client, server):
     key = ("pagellm:request_success_total", (("finished_reason", "length"),))
     before = server.wait_until_idle()[key]
