@@ -84,10 +84,14 @@ def chat_messages(instructions: str | None, items: list[ConversationItem]) -> li
 
 
 def to_chat_request(request: ResponsesRequest, items: list[ConversationItem]) -> ChatCompletionRequest:
+    messages = chat_messages(request.instructions, items)
+    if not messages:
+        raise OpenAIServingError("input holds no message, function call or function call output (reasoning items "
+                                 "are dropped); send at least one.", param="input")
     choice = request.tool_choice
     format_ = request.text.format if request.text is not None else None
     fields: dict[str, Any] = {
-        "model": request.model, "messages": chat_messages(request.instructions, items),
+        "model": request.model, "messages": messages,
         "tools": [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                   for tool in request.tools] if request.tools else None,
         "tool_choice": {"type": "function", "function": {"name": choice.name}}

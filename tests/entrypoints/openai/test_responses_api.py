@@ -246,6 +246,7 @@ def test_a_stored_stream_continues(client):
     ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
     ({"input": USER, "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": USER, "max_output_tokens": 100_000}, "max_output_tokens"),
     ({"input": USER, "tools": [{"type": "web_search"}]}, "tools.0"),
