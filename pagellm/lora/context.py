@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # weights.py imports the linear layers, which import this mod
 @dataclass(frozen=True)
 class LoRAGroup:
     adapter: LoRAModel
-    rows: slice | torch.Tensor  # the batch's token rows that run with this adapter (a slice when contiguous)
+    # The batch's token rows that run with this adapter: None for all, a slice when contiguous, else their indices.
+    rows: slice | torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,16 @@ class LoRABatch:
             weights = group.adapter.layers.get(layer)
             if weights is None:
                 continue
-            delta = (x2[group.rows].float() @ weights.a.T) @ weights.b.T
-            if isinstance(group.rows, slice):
-                out2[group.rows] += delta.to(out.dtype)
+            rows = group.rows
+            xs = x2 if rows is None else x2[rows]
+            shrunk = (xs if xs.dtype == torch.float32 else xs.float()) @ weights.a_t
+            if out.dtype == torch.float32 and not isinstance(rows, torch.Tensor):
+                (out2 if rows is None else out2[rows]).addmm_(shrunk, weights.b_t)  # in place, no delta tensor
+            elif not isinstance(rows, torch.Tensor):
+                (out2 if rows is None else out2[rows]).add_((shrunk @ weights.b_t).to(out.dtype))
             else:
-                out2.index_add_(0, group.rows, delta.to(out.dtype))
+                out2.index_add_(0, rows, (shrunk @ weights.b_t).to(out.dtype))
         return out
-
 
 _state = threading.local()
 

@@ -110,3 +110,22 @@ def load_peft_adapter(path: str, hf_config, max_rank: int) -> PEFTAdapter:
     if not weights:
         raise _refuse(path, "adapter_model.safetensors holds no LoRA weights.")
     return PEFTAdapter(path, rank, scaling, weights, config.get("base_model_name_or_path"))
+
+
+def write_random_adapter(path: str, hf_config, rank: int, seed: int = 0, scale: float = 0.02) -> str:
+    """A PEFT LoRA adapter directory of `hf_config`'s shapes on every projection, random A and B (for benchmarks)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf_config.num_hidden_layers):
+        for projection, (features_in, features_out) in projection_shapes(hf_config).items():
+            block = "mlp" if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            module = f"base_model.model.model.layers.{layer}.{block}"
+            for which, shape in (("A", (rank, features_in)), ("B", (features_out, rank))):
+                tensors[f"{module}.{projection}.lora_{which}.weight"] = torch.randn(shape, generator=generator) * scale
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS)}, f)
+    return path

@@ -19,8 +19,8 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 @dataclass(frozen=True)
 class LoRALayerWeights:
-    a: torch.Tensor  # [rank total, input features]
-    b: torch.Tensor  # [output features, rank total], scaled
+    a_t: torch.Tensor  # A^T: [input features, rank total]
+    b_t: torch.Tensor  # (scaling B)^T: [rank total, output features]
 
 
 @dataclass(frozen=True)
@@ -56,5 +56,5 @@ def build_lora_model(lora_int_id: int, adapter: PEFTAdapter, model: nn.Module, d
                                  f"B has {part.shape[0]}.")
             b[offsets[i]:offsets[i] + sizes[i], col:col + part.shape[1]] = part * adapter.scaling
             col += part.shape[1]
-        layers[layer] = LoRALayerWeights(a.to(device).contiguous(), b.to(device).contiguous())
+        layers[layer] = LoRALayerWeights(a.T.contiguous().to(device), b.T.contiguous().to(device))
     return LoRAModel(lora_int_id, layers)

@@ -40,9 +40,13 @@ class LoRAWorkerManager:
         groups = []
         for request in {r.lora_int_id: r for r in requests if r is not None}.values():
             rows = np.flatnonzero(token_ids == request.lora_int_id)
-            contiguous = rows[-1] - rows[0] + 1 == len(rows)
-            index = (slice(int(rows[0]), int(rows[-1]) + 1) if contiguous
-                     else torch.from_numpy(rows).to(self.device, non_blocking=True))
+            index: slice | torch.Tensor | None
+            if len(rows) == len(token_ids):
+                index = None
+            elif rows[-1] - rows[0] + 1 == len(rows):
+                index = slice(int(rows[0]), int(rows[-1]) + 1)
+            else:
+                index = torch.from_numpy(rows).to(self.device, non_blocking=True)
             groups.append(LoRAGroup(self._get(request), index))
         for lora_id in list(self.adapters)[:max(0, len(self.adapters) - max(self.config.max_loras, len(groups)))]:
             del self.adapters[lora_id]  # least recently used first; this step's adapters are the most recent
