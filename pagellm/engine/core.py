@@ -31,6 +31,7 @@ from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import StepTimings
+from pagellm.model_executor.layers.attention import layer_sliding_window
 from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -57,8 +58,12 @@ class EngineCore:
         num_host_blocks = self.executor.determine_num_host_blocks()
         self.executor.initialize_cache(self.num_blocks, num_host_blocks)
         cache_config = config.cache_config
+        # Blocks out of the window are freed only when every layer has the same one (one block table for all).
+        windows = {layer_sliding_window(config.model_config.hf_config, i)
+                   for i in range(config.model_config.num_layers)}
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching, num_host_blocks)
+                                               cache_config.enable_prefix_caching, num_host_blocks,
+                                               sliding_window=windows.pop() if len(windows) == 1 else None)
         self.structured_output_manager = StructuredOutputManager(config.model_config,
                                                                  config.structured_outputs_config)
         self.scheduler = Scheduler(config.scheduler_config, config.model_config.max_model_len, self.kv_cache_manager,

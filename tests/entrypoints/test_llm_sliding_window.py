@@ -1,7 +1,8 @@
 """Mistral's sliding window through the whole engine, at its full context: a tiny random-weight Mistral whose layers
 see only their last 16 tokens, on prompts of up to 300 tokens, equals transformers (float32, its own
 sliding-window mask) token for token and logprob for logprob, through chunked prefill, prefix caching of a shared
-prefix longer than the window, preemption and recomputation, n > 1, and the PyTorch attention backend.
+prefix longer than the window, blocks out of the window freed (a pool smaller than the batch's tokens),
+preemption and recomputation, n > 1, and the PyTorch attention backend.
 
 The reference is teacher-forced: one uncached transformers forward over each sequence's own tokens, so every
 position is checked whatever came before it. A greedy token may differ from transformers' only where its top two
@@ -69,13 +70,35 @@ def test_prefix_longer_than_the_window_from_the_cache(model_dir, make_token_prom
     no_leaks(llm)
 
 
-def test_preempted_and_recomputed_sequences_match(model_dir, prompts, hf_model, pool_bytes, no_leaks):
-    """A pool that holds one full-length request, not the batch: sequences are preempted and recomputed."""
-    max_model_len, block_size = 320, 8
-    llm = LLM(model=str(model_dir), max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, max_model_len // block_size + 2))
+def test_blocks_out_of_the_window_are_freed(model_dir, prompts, hf_model, pool_bytes, no_leaks):
+    """A pool of 42 blocks (336 tokens) runs the 5 prompts' 672 tokens at once without preempting: each sequence
+    keeps only the blocks its window still reads."""
+    block_size = 8
+    llm = LLM(model=str(model_dir), max_model_len=320, block_size=block_size, max_num_batched_tokens=64,
+              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, 42))
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
+    core = llm.llm_engine.engine_core
+    assert sum(PROMPT_LENS) + len(PROMPT_LENS) * NEW_TOKENS > core.num_blocks * block_size
+    assert core.scheduler.num_preemptions_total == 0
+    assert core.kv_cache_manager.num_window_freed_blocks > 0
+    for output in outputs:
+        assert_matches_transformers(hf_model, output)
+    no_leaks(llm)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preempted_sequences_match(preemption_mode, model_dir, make_token_prompts, hf_model, pool_bytes, no_leaks):
+    """A pool of 11 blocks for 8 prompts of 40-60 tokens: even with freeing, sequences are preempted, and recomputed
+    or swapped out and back in with their freed table entries."""
+    block_size = 8
+    llm = LLM(model=str(model_dir), max_model_len=80, block_size=block_size, max_num_batched_tokens=64,
+              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, 11), preemption_mode=preemption_mode,
+              enable_prefix_caching=False)
+    outputs = llm.generate(make_token_prompts([40, 45, 50, 60, 42, 47, 55, 58], seed=5), greedy(), use_tqdm=False)
+    stats = llm.llm_engine.engine_core.scheduler.stats()
+    assert stats.num_preemptions_total > 0, "the pool was meant to force preemption"
+    if preemption_mode == "swap":
+        assert stats.num_swapped_in_blocks_total == stats.num_swapped_out_blocks_total > 0
     for output in outputs:
         assert_matches_transformers(hf_model, output)
     no_leaks(llm)

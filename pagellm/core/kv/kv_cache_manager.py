@@ -12,6 +12,11 @@ copied back instead of recomputed; a request preempted by swapping has all its b
 The copies are only listed here (`take_transfers`); the workers make them before the step's forward pass. Host
 blocks a step's copies read or write are held until the step has run (`finish_step`), so no later decision in the
 same step can reuse them.
+
+Sliding window (`sliding_window`, when every layer attends within the same window W, as Mistral's do): a query at
+position q reads keys q - W < k <= q, so once a request has computed past a block's window the block is freed and
+its table entry becomes `NULL_BLOCK` (block id 0 for the workers, read only under the kernels' window mask; the
+entries stay positional). The freed blocks stay cached for prefix hits until evicted.
 """
 from __future__ import annotations
 
@@ -25,6 +30,14 @@ from pagellm.core.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# A freed table entry: held by no one and never ref counted; its id pads tables as block 0 does.
+NULL_BLOCK = KVCacheBlock(0)
+
+
+def live(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+    return [block for block in blocks if block is not NULL_BLOCK]
 
 
 @dataclass(slots=True)
@@ -60,13 +73,16 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, sliding_window: int | None = None) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's window (None: some layer attends to all tokens)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, on_evict=self._save_to_host if num_host_blocks else None)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}  # requests swapped out to the host tier
+        self._swapped_num_freed: dict[str, int] = {}  # a swapped-out table's leading NULL_BLOCK entries
+        self.num_window_freed_blocks = 0  # cumulative: blocks freed because they fell out of the window
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are indexed
         self._transfers = Transfers()
         self._held_host_blocks: list[KVCacheBlock] = []  # read or written by this step's copies
@@ -83,10 +99,32 @@ class KVCacheManager:
     @property
     def num_logical_blocks(self) -> int:
         """Blocks the live block tables would hold if nothing were shared."""
-        return sum(len(blocks) for blocks in self.req_to_blocks.values())
+        return sum(len(live(blocks)) for blocks in self.req_to_blocks.values())
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def num_skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks no query from position `num_computed` on reads: wholly before its window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def num_blocks_needed(self, num_computed: int, num_new: int) -> int:
+        """Blocks a request holds while computing `num_new` tokens after `num_computed`: its window's, not all."""
+        return self.num_blocks_for_tokens(num_computed + num_new) - self.num_skipped_blocks(num_computed)
+
+    def _free_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+        """Free the blocks that fell out of the window, keeping the table positional."""
+        blocks = self.req_to_blocks.get(request_id)
+        skip = min(self.num_skipped_blocks(num_computed), len(blocks or ()))
+        if not blocks or skip == 0 or blocks[skip - 1] is NULL_BLOCK:
+            return
+        dropped = live(blocks[:skip])
+        blocks[:skip] = [NULL_BLOCK] * skip
+        self.block_pool.free(dropped)
+        self.num_window_freed_blocks += len(dropped)
+        self._rewritten_tables.add(request_id)
 
     # ---- prefix cache ---------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -123,7 +161,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         for index in range(start, num_full):
-            self.block_pool.cache(blocks[index], hashes[index])
+            if blocks[index] is not NULL_BLOCK:
+                self.block_pool.cache(blocks[index], hashes[index])
         self._num_cached_blocks[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
@@ -145,12 +184,15 @@ class KVCacheManager:
         """
         request_id = request.request_id
         computed = computed or ComputedBlocks()
+        self._free_skipped_blocks(request_id, request.num_computed_tokens)
         blocks = self.req_to_blocks.get(request_id, [])
         swapped = self.req_to_host_blocks.get(request_id, [])
+        num_swapped_freed = self._swapped_num_freed.get(request_id, 0)
         num_computed = request.num_computed_tokens + computed.num_blocks * self.block_size
         first = num_computed // self.block_size
-        copy_on_write = num_new_tokens > 0 and first < len(blocks) and blocks[first].ref_cnt > 1
-        num_held = len(blocks) + computed.num_blocks + len(swapped)
+        copy_on_write = (num_new_tokens > 0 and first < len(blocks) and blocks[first] is not NULL_BLOCK
+                         and blocks[first].ref_cnt > 1)
+        num_held = len(blocks) + computed.num_blocks + len(swapped) + num_swapped_freed
         num_fresh = max(self.num_blocks_for_tokens(num_computed + num_new_tokens) - num_held, 0)
         # Cached hits nobody holds are counted as free, but taking them makes them unavailable.
         free = self.block_pool.num_free_blocks - sum(block.ref_cnt == 0 for block in computed.device)
@@ -163,7 +205,8 @@ class KVCacheManager:
         blocks = blocks + computed.device
         if computed.host:
             blocks += self._load_from_host(computed.host, release=False)
-        if swapped:
+        if swapped or num_swapped_freed:
+            blocks += [NULL_BLOCK] * self._swapped_num_freed.pop(request_id, 0)
             blocks += self._load_from_host(self.req_to_host_blocks.pop(request_id), release=True)
         if copy_on_write:
             shared = blocks[first]
@@ -177,6 +220,7 @@ class KVCacheManager:
             # Blocks that arrived whole are indexed now: their K/V are in place before the forward pass reads them.
             request.num_computed_tokens = num_computed
             self.cache_full_blocks(request)
+            self._free_skipped_blocks(request_id, num_computed)
         return True
 
     def _record_hit(self, request: Request, num_tokens: int) -> None:
@@ -219,13 +263,16 @@ class KVCacheManager:
         self.num_swapped_out_blocks += 1
 
     def can_swap_out(self, request: Request) -> bool:
-        blocks = self.req_to_blocks.get(request.request_id, [])
+        blocks = live(self.req_to_blocks.get(request.request_id, []))
         return self.host_pool is not None and 0 < len(blocks) <= self.host_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> None:
         """Preemption by swapping: copy the request's blocks to host blocks it holds until it resumes, and free its
-        device blocks (cached ones stay cached)."""
-        blocks = self.req_to_blocks.pop(request.request_id)
+        device blocks (cached ones stay cached). Entries freed by the window stay freed."""
+        table = self.req_to_blocks.pop(request.request_id)
+        blocks = live(table)
+        if len(blocks) < len(table):
+            self._swapped_num_freed[request.request_id] = len(table) - len(blocks)
         host_blocks = self.host_pool.allocate(len(blocks))
         self._transfers.swap_out += [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
         self.host_pool.touch(host_blocks)  # held by the step's copy, and by the request
@@ -241,7 +288,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's block table, sharing every block (the child has the same tokens)."""
         blocks = self.req_to_blocks.get(parent.request_id, [])
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(live(blocks))
         self.req_to_blocks[child.request_id] = list(blocks)
         self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
 
@@ -269,7 +316,8 @@ class KVCacheManager:
         """Release everything the request holds, in either tier."""
         self._num_cached_blocks.pop(request.request_id, None)
         self._rewritten_tables.discard(request.request_id)
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._swapped_num_freed.pop(request.request_id, None)
+        blocks = live(self.req_to_blocks.pop(request.request_id, []))
         if blocks:
             self.block_pool.free(blocks)
         host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
@@ -282,7 +330,7 @@ class KVCacheManager:
         full), so this looks at one block per table, not at every block: it runs after every step."""
         waste: dict[int, int] = {}  # last block id -> its empty slots (a block shared by forks counted once)
         for request_id, blocks in self.req_to_blocks.items():
-            if blocks:
+            if blocks and blocks[-1] is not NULL_BLOCK:
                 empty = max(len(blocks) * self.block_size - num_computed.get(request_id, 0), 0)
                 last = blocks[-1].block_id
                 waste[last] = min(waste.get(last, empty), empty)
@@ -296,7 +344,9 @@ class KVCacheManager:
         if stray:
             raise RuntimeError(f"Finished requests still hold KV blocks: {sorted(stray)[:10]}.")
         self.block_pool.check_ref_counts(Counter(b.block_id for blocks in self.req_to_blocks.values()
-                                                 for b in blocks))
+                                                 for b in live(blocks)))
+        if set(self._swapped_num_freed) - set(self.req_to_host_blocks):
+            raise RuntimeError("A request that is not swapped out keeps a swapped table's freed entries.")
         if self.host_pool is not None:
             holders = Counter(b.block_id for blocks in self.req_to_host_blocks.values() for b in blocks)
             holders.update(b.block_id for b in self._held_host_blocks)
