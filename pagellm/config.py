@@ -156,6 +156,40 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "short-first")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative decoding settings (--speculative-config as JSON). `ngram`: prompt lookup, drafts copied
+    from the prompt and output so far after the longest suffix n-gram (prompt_lookup_min..max tokens) seen before
+    (see spec_decode/)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: draft tokens verified per step and request
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{self.method!r}; fix --speculative-config.")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at least 1, got "
+                             f"{self.num_speculative_tokens}; fix --speculative-config.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}; fix --speculative-config.")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}; known: "
+                             f"{', '.join(f.name for f in fields(cls))}.")
+        return cls(**values)
+
+
 @dataclass(kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -167,6 +201,8 @@ class SchedulerConfig:
     short_first_max_wait: float = 10.0
     # Schedule batch N+1 while batch N runs (see core/sched/async_scheduling.py).
     async_scheduling: bool = False
+    # Speculative decoding: the scheduler drafts and verifies tokens (see spec_decode/); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -182,6 +218,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("Speculative decoding does not run with async scheduling yet; drop "
+                             "--async-scheduling or --speculative-config.")
 
     def check_fits(self, max_model_len: int) -> None:
         """Without chunked prefill a prompt runs in one step, so the token budget must hold the longest one."""

@@ -72,6 +72,8 @@ class Request:
     # With sampling_params.logprobs: per output token, (token ids, logprobs, ranks) with the sampled token first.
     logprobs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # Output tokens the last step appended: 1, or more when speculative decoding accepted draft tokens.
+    num_step_tokens: int = 1
     # With sampling_params.prompt_logprobs: one entry per prompt token after the first, same form.
     prompt_logprobs: list[tuple[list[int], list[float], list[int]]] = field(default_factory=list)
 

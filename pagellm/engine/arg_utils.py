@@ -25,6 +25,7 @@ from pagellm.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     resolve_device,
     resolve_dtype,
@@ -86,6 +87,8 @@ class EngineArgs:
     lora_modules: list[str] | None = None  # "name=path" (the server's adapters at start)
     max_loras: int = LoRAConfig.max_loras
     max_lora_rank: int = LoRAConfig.max_lora_rank
+    # vLLM's speculative_config: a SpeculativeConfig or its fields ({"method": "ngram", ...}); None: off.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
@@ -145,7 +148,8 @@ class EngineArgs:
                                              scheduling_policy=self.scheduling_policy,
                                              preemption_mode=self.preemption_mode,
                                              short_first_max_wait=self.short_first_max_wait,
-                                             async_scheduling=self.async_scheduling),
+                                             async_scheduling=self.async_scheduling,
+                                             speculative_config=self._speculative_config()),
             device_config=DeviceConfig(device=device),
             parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(
@@ -181,6 +185,10 @@ class EngineArgs:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}; fix --runner.")
         return "generate" if self.runner == "auto" else self.runner
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        config = self.speculative_config
+        return SpeculativeConfig.from_dict(config) if isinstance(config, dict) else config
 
     def _pooler_config(self) -> PoolerConfig:
         config = self.pooler_config
@@ -307,6 +315,9 @@ class EngineArgs:
                             help="generate: completions, plus embeddings and scores in the same batches; pooling: "
                                  "an embedding model (embeddings, and /score as cosine similarity), no completions. "
                                  "auto: generate")
+        parser.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
+                            help='speculative decoding as JSON, vLLM\'s: {"method": "ngram", '
+                                 '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}')
         parser.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_object,
                             default=EngineArgs.pooler_config,
                             help='embedding pooling as JSON, vLLM\'s PoolerConfig: {"pooling_type": "LAST" | "MEAN" '

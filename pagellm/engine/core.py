@@ -240,15 +240,15 @@ class EngineCore:
 
     @staticmethod
     def _snapshot(request: Request) -> EngineCoreOutput:
-        """The sequence's newest token (each update appends exactly one), with its logprobs; prompt logprobs go
-        with the first token of the group's first sequence, when the whole prompt has been computed. A pooling
-        request's one snapshot, when it finishes, carries its pooled vector instead."""
+        """The sequence's newest tokens (one per update, more when speculative decoding accepted drafts), with
+        their logprobs; prompt logprobs go with the first token of the group's first sequence, when the whole prompt
+        has been computed. A pooling request's one snapshot, when it finishes, carries its pooled vector instead."""
         params = request.sampling_params
         first_token = request.num_output_tokens == 1 and request.index == 0
         return EngineCoreOutput(
             request_id=request.request_id, group_id=request.group_id, index=request.index,
-            new_token_ids=request.output_token_ids[-1:],
-            new_logprobs=request.logprobs[-1:] if params.logprobs is not None else None,
+            new_token_ids=request.output_token_ids[-request.num_step_tokens:],
+            new_logprobs=request.logprobs[-request.num_step_tokens:] if params.logprobs is not None else None,
             prompt_logprobs=list(request.prompt_logprobs) if first_token and params.prompt_logprobs is not None
             else None,
             finish_reason=request.finish_reason if request.is_finished else None,

@@ -60,6 +60,9 @@ class BatchedRequest:
     grammar_bitmask: np.ndarray | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: this chunk is pooled (see layers/pooler.py)
     lora_request: LoRARequest | None = None  # the adapter its rows run with (see lora/context.py)
+    # Speculative decoding: the last `num_spec_tokens` of token_ids are draft tokens; all 1 + num_spec_tokens
+    # last positions are sampled (greedy verification, see core/sched/results.py).
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -89,8 +92,10 @@ class InputBatch:
                 state.block_ids = list(scheduled.new_block_ids)
             else:
                 state.block_ids += scheduled.new_block_ids
-            start, end = scheduled.num_computed_tokens, scheduled.num_computed_tokens + scheduled.num_tokens
-            token_ids = state.all_token_ids[start:end]
+            num_spec = len(scheduled.spec_token_ids)
+            start = scheduled.num_computed_tokens
+            end = start + scheduled.num_tokens - num_spec
+            token_ids = state.all_token_ids[start:end] + scheduled.spec_token_ids
             if len(token_ids) != scheduled.num_tokens - scheduled.pending_token:
                 raise RuntimeError(f"Request {state.request_id}: the worker has {len(state.all_token_ids)} tokens, "
                                    f"the step computes up to {end} (pending token: {scheduled.pending_token}).")
@@ -100,7 +105,7 @@ class InputBatch:
                 state.request_id, token_ids, start, state.block_ids, state.sampling_params, scheduled.needs_sample,
                 state.prompt_token_ids, state.output_token_ids, state.eos_token_ids, state.bad_words_token_ids,
                 scheduled.num_samples, scheduled.pending_token, pooling_params=state.pooling_params,
-                lora_request=state.lora_request))
+                lora_request=state.lora_request, num_spec_tokens=num_spec))
         return batch
 
 

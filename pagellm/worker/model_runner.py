@@ -174,9 +174,13 @@ class ModelRunner:
         slot_mapping = block_table[req_index, positions // bs] * bs + positions % bs
         input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64, count=num_tokens)
 
-        # n > 1: the same last-token logits row is sampled once per sequence.
-        sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample for _ in range(r.num_samples)]
-        logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1
+        # n > 1: the same last-token logits row is sampled once per sequence. Speculative decoding: each of the
+        # last 1 + num_spec_tokens positions is sampled, in order.
+        sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample for _ in range(r.num_samples)
+                        for _ in range(r.num_spec_tokens + 1)]
+        back = np.array([r.num_spec_tokens - j for r in ordered if r.needs_sample for _ in range(r.num_samples)
+                         for j in range(r.num_spec_tokens + 1)], dtype=np.int64)
+        logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1 - back
         # Async scheduling: inputs that are the previous step's sampled tokens, taken from them on the device. They
         # are taken by this step whether it needs them or not: a step that fails before sampling leaves none
         # behind, so no later step can read stale tokens.

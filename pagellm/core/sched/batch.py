@@ -22,6 +22,8 @@ from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched.policy import SchedulingPolicy
 from pagellm.core.sched.queues import RequestQueues
 from pagellm.core.sched.worker_view import WorkerView
+from pagellm.spec_decode.eligibility import may_speculate
+from pagellm.spec_decode.ngram_proposer import NgramProposer
 
 
 def num_sequences(request: Request) -> int:
@@ -48,6 +50,8 @@ class BatchPlanner:
         self.kv_cache_manager = kv_cache_manager
         self.worker_view = worker_view
         self.policy = SchedulingPolicy(config)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
         # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
         # their part of the newest such batch: not preempted, nor scheduled again until their results are applied
         # (with async scheduling: unless they may continue without them).
@@ -117,16 +121,29 @@ class BatchPlanner:
                 index += 1
                 continue
             num_new = min(num_new, token_budget)
+            draft = self._draft(request, token_budget) if num_new == 1 and flight is None else []
+            num_new += len(draft)  # look-ahead slots: the draft is verified in the same pass
             # Slots for the tokens of its batch in flight were allocated when that batch was scheduled.
             allocated = self._allocate_or_preempt(request, (flight.num_tokens if flight else 0) + num_new, index,
                                                   output)
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; the request now at `index` is the next one
             if allocated:
-                output.scheduled.append(self._schedule_request(request, num_new, output, flight))
+                scheduled = self._schedule_request(request, num_new, output, flight)
+                scheduled.spec_token_ids = draft
+                output.scheduled.append(scheduled)
                 token_budget -= num_new
             index += 1
         return token_budget
+
+    def _draft(self, request: Request, token_budget: int) -> list[int]:
+        """Speculative decoding: the draft tokens a decoding request verifies this step, within the token budget,
+        and no more than could be emitted before max_tokens or max_model_len."""
+        if self.proposer is None or not may_speculate(request):
+            return []
+        room = min(token_budget, request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        return self.proposer.propose(request.all_token_ids, room) if room > 0 else []
 
     def _allocate_or_preempt(self, request: Request, num_slots: int, index: int, output: SchedulerOutput) -> bool:
         """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from
@@ -216,7 +233,7 @@ class BatchPlanner:
             num_computed = flight.num_computed_tokens + flight.num_tokens
             num_known += flight.needs_sample
         # A pooling request samples nothing: its last chunk is pooled instead.
-        needs_sample = num_computed + num_new == num_known and request.pooling_params is None
+        needs_sample = num_computed + num_new >= num_known and request.pooling_params is None
         scheduled = ScheduledRequest(
             request.request_id, num_new, num_computed, needs_sample=needs_sample,
             pending_token=flight is not None and flight.needs_sample,

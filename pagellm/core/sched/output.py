@@ -50,6 +50,10 @@ class ScheduledRequest:
     # Async scheduling: the last token to compute is the one the previous batch samples, unknown here when this
     # batch was scheduled; the worker takes it from that batch's sampled tokens.
     pending_token: bool = False
+    # Speculative decoding: draft tokens computed after the known ones (the last `len` of `num_tokens`); the
+    # worker samples every one of the 1 + len positions, and the scheduler keeps the tokens up to the first
+    # mismatch (see spec_decode/).
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched.queues import RequestQueues
 from pagellm.exceptions import failure_reason
 from pagellm.logger import init_logger
+from pagellm.spec_decode.metrics import SpecDecodingStats
 
 logger = init_logger(__name__)
 
@@ -29,6 +30,7 @@ class ResultApplier:
         self.max_model_len = max_model_len
         self.queues = queues
         self.kv_cache_manager = kv_cache_manager
+        self.spec_stats = SpecDecodingStats()
 
     def apply(self, output: SchedulerOutput, sampled: dict[str, list[int]], logprobs: dict[str, list] | None,
               prompt_logprobs: dict | None, errors: dict[str, str],
@@ -70,6 +72,10 @@ class ResultApplier:
                         logprobs: dict[str, list] | None, prompt_logprobs: dict | None) -> list[Request]:
         """Apply one scheduled request's results; returns its sequences that got a token (several when it
         forks)."""
+        request.num_step_tokens = 1
+        if scheduled.spec_token_ids:
+            return self._accept_draft(request, scheduled, sampled[request.request_id],
+                                      (logprobs or {}).get(request.request_id))
         request.num_computed_tokens += scheduled.num_tokens
         self.kv_cache_manager.cache_full_blocks(request)
         if prompt_logprobs and request.request_id in prompt_logprobs:
@@ -98,6 +104,35 @@ class ResultApplier:
             if status is not None:
                 self.queues.finish(sequence, status)
         return sequences
+
+    def _accept_draft(self, request: Request, scheduled: ScheduledRequest, tokens: list[int],
+                      entries: list | None) -> list[Request]:
+        """Speculative decoding, greedy verification: `tokens` holds the target's token at each of the 1 + k
+        positions. Draft tokens are kept while they equal the target's; the target's token at the first mismatch
+        (or after the whole draft) comes with them. Emission stops at a stop condition. The K/V of rejected
+        positions is dropped by moving `num_computed_tokens` back (their slots are overwritten later; the blocks
+        stay with the request, which writes them next)."""
+        draft = scheduled.spec_token_ids
+        num_accepted = 0
+        while num_accepted < len(draft) and draft[num_accepted] == tokens[num_accepted]:
+            num_accepted += 1
+        self.spec_stats.observe(len(draft), num_accepted)
+        # Computed: the step's first input (the last known token) and the accepted draft tokens.
+        num_computed = scheduled.num_computed_tokens + scheduled.num_tokens - len(draft) + num_accepted
+        request.num_step_tokens = 0
+        for index, token in enumerate(tokens[:num_accepted + 1]):
+            request.num_step_tokens += 1
+            if entries is not None:
+                request.logprobs.append(entries[index])
+                request.cumulative_logprob += entries[index][1][0]
+            request.append_output_token(token)
+            status = check_stop(request, self.max_model_len)
+            if status is not None:
+                self.queues.finish(request, status)
+                return [request]
+        request.num_computed_tokens = num_computed
+        self.kv_cache_manager.cache_full_blocks(request)
+        return [request]
 
     def _update_pooling(self, request: Request, scheduled: ScheduledRequest,
                         pooled: dict[str, np.ndarray]) -> list[Request]:

@@ -44,6 +44,7 @@ from pagellm.core.sched.results import ResultApplier
 from pagellm.core.sched.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError
 from pagellm.metrics.stats import SchedulerStats
+from pagellm.spec_decode.metrics import SpecDecodingStats
 from pagellm.structured_output.manager import StructuredOutputManager
 
 
@@ -90,6 +91,11 @@ class Scheduler:
     @property
     def num_preemptions_total(self) -> int:
         return self.queues.num_preemptions_total
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats:
+        """Speculative decoding's cumulative counters (zero when it is off)."""
+        return self.applier.spec_stats
 
     # ---- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Request, beam_group: BeamGroup | None = None) -> None:

@@ -1,0 +1,109 @@
+"""Speculative decoding (ngram prompt lookup) end to end on a tiny random-weight model: greedy outputs are
+token-identical to transformers' greedy decoding and to the engine without speculation, under chunked prefill,
+prefix caching, preemption and n > 1, with drafts actually accepted; logprobs are the target model's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_factory("llama")
+    return model_dir, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(make_token_prompts):
+    """Repetitive prompts (a random phrase said several times), so that prompt lookup finds drafts."""
+    phrases = make_token_prompts([7, 11, 5, 13], seed=31)
+    return [{"prompt_token_ids": p["prompt_token_ids"] * 4 + p["prompt_token_ids"][:3]} for p in phrases]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                             min_new_tokens=max_tokens, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def make_llm(model_dir, spec: bool, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory_bytes", 8 << 20)
+    return LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=16,
+               speculative_config=dict(SPEC) if spec else None, **kwargs)
+
+
+def accepted(llm: LLM) -> int:
+    return llm.llm_engine.engine_core.scheduler.spec_decoding_stats.num_accepted_tokens
+
+
+def greedy(max_tokens: int = 24, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def test_greedy_matches_transformers_and_drafts_are_accepted(tiny, prompts):
+    model_dir, hf = tiny
+    llm = make_llm(model_dir, spec=True)
+    outputs = llm.generate(prompts, greedy())
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf, prompt["prompt_token_ids"], 24)
+    stats = llm.llm_engine.engine_core.scheduler.spec_decoding_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+    llm.llm_engine.engine_core.scheduler.check_consistency()
+
+
+@pytest.mark.parametrize("case", ["chunked-prefill", "prefix-caching", "preemption"])
+def test_identical_to_no_speculation(tiny, prompts, pool_bytes, case):
+    model_dir, _ = tiny
+    kwargs = {"chunked-prefill": {"max_num_batched_tokens": 16},
+              "prefix-caching": {"enable_prefix_caching": True},
+              # 16 blocks of 16 for 4 sequences growing to 63-95 tokens (21 blocks): some are preempted.
+              "preemption": {"kv_cache_memory_bytes": pool_bytes(model_dir, 16, 16)}}[case]
+    expected = token_ids(make_llm(model_dir, spec=False, **kwargs).generate(prompts, greedy(40)))
+    llm = make_llm(model_dir, spec=True, **kwargs)
+    # Twice over the same prompts: the second round hits the prefix cache (when on).
+    for _ in range(2):
+        assert token_ids(llm.generate(prompts, greedy(40))) == expected
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert scheduler.spec_decoding_stats.num_accepted_tokens > 0
+    scheduler.check_consistency()
+    if case == "preemption":
+        assert scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
+
+
+def test_n_and_logprobs_identical_to_no_speculation(tiny, prompts):
+    model_dir, _ = tiny
+    params = greedy(20, n=2, logprobs=2)
+    base = make_llm(model_dir, spec=False).generate(prompts, params)
+    llm = make_llm(model_dir, spec=True)
+    spec = llm.generate(prompts, params)
+    assert token_ids(spec) == token_ids(base)
+    for b, s in zip(base, spec):
+        for cb, cs in zip(b.outputs, s.outputs):
+            for lb, ls in zip(cb.logprobs, cs.logprobs):
+                assert lb.keys() == ls.keys()
+                for token in lb:
+                    assert ls[token].logprob == pytest.approx(lb[token].logprob, abs=1e-4)
+    assert accepted(llm) > 0
+
+
+def test_never_past_max_tokens(tiny, prompts):
+    model_dir, hf = tiny
+    llm = make_llm(model_dir, spec=True)
+    for max_tokens in (1, 2, 3, 5):
+        outputs = llm.generate(prompts, greedy(max_tokens))
+        for prompt, output in zip(prompts, outputs):
+            assert list(output.outputs[0].token_ids) == hf_greedy(hf, prompt["prompt_token_ids"], 24)[:max_tokens]
+    llm.llm_engine.engine_core.scheduler.check_consistency()
