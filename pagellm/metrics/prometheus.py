@@ -61,6 +61,10 @@ _SCHEDULER_COUNTERS: tuple[_SchedulerMetric, ...] = (
      lambda s: s.num_swapped_out_blocks_total),
     ("pagellm:num_swapped_in_blocks", "Cumulative number of KV blocks copied back in from the host tier.",
      lambda s: s.num_swapped_in_blocks_total),
+    ("pagellm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s: s.spec_decode_num_drafts),
+    ("pagellm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s: s.spec_decode_num_draft_tokens),
+    ("pagellm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+     lambda s: s.spec_decode_num_accepted_tokens),
 )
 
 
@@ -77,6 +81,13 @@ class _SchedulerCollector(Collector):
                 for engine, stats in enumerate(replicas):
                     metric.add_metric([self._model_name, str(engine)], value(stats))
                 yield metric
+        per_pos = CounterMetricFamily("pagellm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.",
+                                      labels=["model_name", "engine", "position"])
+        for engine, stats in enumerate(replicas):
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self._model_name, str(engine), str(position)], count)
+        yield per_pos
 
 
 class _PerEngine:

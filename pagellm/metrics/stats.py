@@ -30,6 +30,12 @@ class SchedulerStats:
     num_host_blocks: int = 0
     num_swapped_out_blocks_total: int = 0
     num_swapped_in_blocks_total: int = 0
+    # Speculative decoding, cumulative (vLLM's spec_decode_*): steps of requests that verified a draft, draft tokens,
+    # accepted ones, and per draft position how many drafts had it accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -43,8 +49,11 @@ def aggregate_scheduler_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
     total = SchedulerStats(0, 0, 0, 0, 0)
     for stats in replicas:
         for f in dataclasses.fields(SchedulerStats):
-            if f.name != "kv_cache_token_efficiency":
+            if f.name not in ("kv_cache_token_efficiency", "spec_decode_num_accepted_tokens_per_pos"):
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+        per_pos = (total.spec_decode_num_accepted_tokens_per_pos, stats.spec_decode_num_accepted_tokens_per_pos)
+        total.spec_decode_num_accepted_tokens_per_pos = tuple(
+            sum(counts[i] for counts in per_pos if i < len(counts)) for i in range(max(map(len, per_pos))))
     if total.num_used_blocks:
         total.kv_cache_token_efficiency = sum(s.kv_cache_token_efficiency * s.num_used_blocks
                                               for s in replicas) / total.num_used_blocks

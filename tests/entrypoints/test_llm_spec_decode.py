@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
+from pagellm.metrics.prometheus import PrometheusStatLogger
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_MODEL_LEN = 256
@@ -62,6 +65,17 @@ def test_greedy_matches_transformers_and_drafts_are_accepted(tiny, prompts):
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
     llm.llm_engine.engine_core.scheduler.check_consistency()
+    # The counters reach Prometheus under vLLM's names.
+    exposition = generate_latest(PrometheusStatLogger(
+        "m", lambda: [llm.llm_engine.engine_core.scheduler.stats()]).registry).decode()
+    samples = {s.name + str(sorted(s.labels.items())): s.value
+               for family in text_string_to_metric_families(exposition) for s in family.samples}
+    labels = str(sorted({"model_name": "m", "engine": "0"}.items()))
+    assert samples["pagellm:spec_decode_num_accepted_tokens_total" + labels] == stats.num_accepted_tokens
+    assert samples["pagellm:spec_decode_num_drafts_total" + labels] == stats.num_drafts
+    assert samples["pagellm:spec_decode_num_draft_tokens_total" + labels] == stats.num_draft_tokens
+    first = str(sorted({"model_name": "m", "engine": "0", "position": "0"}.items()))
+    assert samples["pagellm:spec_decode_num_accepted_tokens_per_pos_total" + first] > 0
 
 
 @pytest.mark.parametrize("case", ["chunked-prefill", "prefix-caching", "preemption"])

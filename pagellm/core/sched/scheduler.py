@@ -190,6 +190,7 @@ class Scheduler:
         manager = self.kv_cache_manager
         pool, host_pool, prefix = manager.block_pool, manager.host_pool, manager.prefix_stats
         efficiency = manager.token_efficiency({r.request_id: r.num_computed_tokens for r in self.running})
+        spec = self.applier.spec_stats
         return SchedulerStats(
             len(self.running), len(self.waiting) + len(self.waiting_for_fsm), pool.num_used_blocks, pool.num_blocks,
             self.num_preemptions_total,
@@ -199,7 +200,10 @@ class Scheduler:
             num_used_host_blocks=host_pool.num_used_blocks if host_pool else 0,
             num_host_blocks=host_pool.num_blocks if host_pool else 0,
             num_swapped_out_blocks_total=manager.num_swapped_out_blocks,
-            num_swapped_in_blocks_total=manager.num_swapped_in_blocks)
+            num_swapped_in_blocks_total=manager.num_swapped_in_blocks,
+            spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
 
     # ---- one step ----------------------------------------------------------------------------------------
     def schedule(self, max_scheduled: int | None = None) -> SchedulerOutput:
