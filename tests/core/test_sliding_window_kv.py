@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from scheduler_factories import make_request
 
+from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from pagellm.core.request import Request
+from pagellm.core.sched.scheduler import Scheduler
 
 BS, W = 4, 8
 
@@ -126,3 +128,16 @@ def test_swap_copies_only_the_live_blocks_and_keeps_the_freed_entries():
     kv.check_consistency({"a"})
     kv.free(request)
     kv.check_consistency(set())
+
+
+def test_admission_counts_the_window_not_every_token():
+    """100-token prompts in 16-token chunks: the last chunk writes blocks 21-24 and its first query (position 84)
+    reads from key 77 (block 19) on, so a request needs 6 blocks at most; an 8-block pool admits one at a time
+    where full attention (25 blocks each) admits none."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)
+    windowed = Scheduler(config, 128, KVCacheManager(8, BS, sliding_window=W))
+    full = Scheduler(config, 128, KVCacheManager(8, BS))
+    assert first_block_read(84) == 19 and (100 - 1) // BS - first_block_read(84) + 1 == 6
+    assert windowed.num_fitting([(1, 100)] * 3) == 1
+    assert windowed.num_fitting([(1, 100)] * 3, free_blocks=12) == 2
+    assert full.num_fitting([(1, 100)] * 3) == 0

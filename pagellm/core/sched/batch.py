@@ -174,7 +174,7 @@ class BatchPlanner:
             return
         head = queues.waiting[0]
         first_chunk = min(head.num_tokens - head.num_computed_tokens, config.max_num_batched_tokens)
-        need = manager.num_blocks_for_tokens(head.num_computed_tokens + first_chunk)
+        need = manager.num_blocks_needed(head.num_computed_tokens, first_chunk)
         while candidates := self._preemptible(queues.running):
             fits = (num_slots_in_use(queues.running) + num_sequences(head) <= config.max_num_seqs
                     and manager.block_pool.num_free_blocks >= need)

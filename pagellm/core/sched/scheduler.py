@@ -180,7 +180,9 @@ class Scheduler:
         fitting = 0
         for num_seqs, num_tokens in demands:
             free_seqs -= num_seqs
-            free_blocks -= self.kv_cache_manager.num_blocks_for_tokens(num_tokens)
+            # A sliding window holds only its blocks: at most those of the last chunk of the prompt and the window.
+            chunk = min(num_tokens, self.config.max_num_batched_tokens)
+            free_blocks -= self.kv_cache_manager.num_blocks_needed(num_tokens - chunk, chunk)
             if free_seqs < 0 or free_blocks < 0:
                 break
             fitting += 1
