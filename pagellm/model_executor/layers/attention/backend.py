@@ -7,8 +7,9 @@ first (one query token each), then prefill chunks; `forward` splits it the same 
 supplies only its cache write, its batched decode and its prefill.
 
 Each call carries the layer's sliding window (`window`, None: the whole sequence): with a window of n a query at
-position q sees the keys at positions q - n < k <= q, as transformers' sliding-window mask has it. Every layer keeps
-all its blocks; a backend only skips reading those wholly before a query's window.
+position q sees the keys at positions q - n < k <= q, as transformers' sliding-window mask has it. A backend skips
+reading the blocks wholly before a query's window, or reads them masked: when every layer shares the window, the KV
+manager frees those blocks and their table entries hold block 0 (see core/kv/kv_cache_manager.py).
 """
 from __future__ import annotations
 
