@@ -93,8 +93,11 @@ class AnthropicToolChoice(OpenAIBaseModel):
 
 
 class AnthropicThinkingConfig(OpenAIBaseModel):
+    """"enabled" needs the server's --reasoning-parser; "disabled" asks the template not to think (Qwen3's
+    enable_thinking); "adaptive" leaves it to the template."""
+
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: PositiveInt64 | None = None
+    budget_tokens: PositiveInt64 | None = None  # vLLM's thinking_token_budget
 
 
 class AnthropicMetadata(OpenAIBaseModel):
@@ -139,9 +142,6 @@ class AnthropicPromptRequest(RequestModel):
             if choice.type == "tool" and choice.name not in {tool.name for tool in self.tools}:
                 raise PydanticCustomError("invalid_field", "{field} names tool {name!r}, which is not in tools",
                                           {"field": "tool_choice", "name": choice.name})
-        if self.thinking is not None and self.thinking.type == "enabled":
-            raise PydanticCustomError("unsupported_field", "{field} is not supported: this server emits no "
-                                      "thinking blocks", {"field": "thinking"})
         last = self.messages[-1]
         if last.role == "assistant":
             raise PydanticCustomError("unsupported_field", "{field}: a final assistant message (a prefill to "

@@ -2,7 +2,8 @@
 becomes a ChatCompletionRequest (`system` -> a system message, an assistant's `tool_use` blocks -> its tool_calls,
 `tool_result` blocks -> tool messages, Anthropic's tools and tool_choice -> OpenAI's), which OpenAIServingChat
 serves (chat template, sampling, tool-call constraints and parsing), and its chat completion, or its stream of
-chunks, becomes Anthropic's message or Anthropic's event sequence."""
+chunks, becomes Anthropic's message or Anthropic's event sequence. With --reasoning-parser, the chat path's
+reasoning_content becomes a `thinking` block before the others (its signature empty: nothing here signs it)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from pagellm.entrypoints.openai.anthropic_errors import anthropic_error
-from pagellm.entrypoints.openai.errors import to_error_body
+from pagellm.entrypoints.openai.errors import OpenAIServingError, to_error_body
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TextContentPart
 from pagellm.entrypoints.openai.protocol_anthropic import (
     AnthropicContentBlockDeltaEvent,
@@ -36,6 +37,8 @@ from pagellm.entrypoints.openai.protocol_anthropic import (
     AnthropicStopReason,
     AnthropicTextBlock,
     AnthropicTextDelta,
+    AnthropicThinkingBlock,
+    AnthropicThinkingDelta,
     AnthropicTokenCount,
     AnthropicToolUseBlock,
     AnthropicUsage,
@@ -97,6 +100,11 @@ def to_chat_request(request: AnthropicPromptRequest) -> ChatCompletionRequest:
             {"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
             else _TOOL_CHOICES[choice.type]),
         "parallel_tool_calls": choice is None or not choice.disable_parallel_tool_use}
+    thinking = request.thinking
+    if thinking is not None and thinking.type == "disabled":
+        fields["chat_template_kwargs"] = {"enable_thinking": False}  # Qwen3's switch; other templates ignore it
+    if thinking is not None and thinking.type == "enabled":
+        fields["thinking_token_budget"] = thinking.budget_tokens
     if isinstance(request, AnthropicMessagesRequest):
         fields.update(max_tokens=request.max_tokens, stop=request.stop_sequences, temperature=request.temperature,
                       top_p=request.top_p, top_k=-1 if request.top_k is None else request.top_k,
@@ -108,27 +116,38 @@ def to_chat_request(request: AnthropicPromptRequest) -> ChatCompletionRequest:
         raise RequestValidationError(exc.errors()) from exc
 
 
+def _check_thinking(chat: OpenAIServingChat, request: AnthropicPromptRequest) -> None:
+    if request.thinking is not None and request.thinking.type == "enabled" and chat.reasoning_parser is None:
+        raise OpenAIServingError("thinking is not supported: this server splits no reasoning from the output; start "
+                                 "it with --reasoning-parser for a model that thinks.", param="thinking")
+
+
 async def count_tokens(chat: OpenAIServingChat, request: AnthropicCountTokensRequest) -> AnthropicTokenCount:
     """The prompt's tokens as /v1/messages would run it: the chat template over the messages and, unless
     tool_choice is "none" (or the template ignores tools), the tools."""
     chat.model_name(request.model)
+    _check_thinking(chat, request)
     chat_request = to_chat_request(request)
     mode = tool_mode(chat_request, chat.tokenizer.supports_tools)
     tools = [tool.model_dump(exclude_none=True) for tool in chat_request.tools] \
         if chat_request.tools and mode != "none" else None
-    prompt = await chat.chat_prompt(chat_request.messages, add_generation_prompt=True, tools=tools)
+    prompt = await chat.chat_prompt(chat_request.messages, add_generation_prompt=True, tools=tools,
+                                    template_kwargs=chat_request.template_kwargs())
     return AnthropicTokenCount(input_tokens=len(prompt["prompt_token_ids"]))
 
 
 async def create_message(chat: OpenAIServingChat,
                          request: AnthropicMessagesRequest) -> AnthropicMessage | AsyncGenerator[str, None]:
     model = chat.model_name(request.model)
+    _check_thinking(chat, request)
     result = await chat.create_chat_completion(to_chat_request(request))
     message_id = f"msg_{uuid.uuid4().hex}"
     if isinstance(result, AsyncGenerator):
         return _stream(result, message_id, model)
     choice = result.choices[0]
     content: list[AnthropicResponseBlock] = []
+    if choice.message.reasoning_content:
+        content.append(AnthropicThinkingBlock(thinking=choice.message.reasoning_content))
     if choice.message.content:
         content.append(AnthropicTextBlock(text=choice.message.content))
     content += [AnthropicToolUseBlock(id=call.id, name=call.function.name, input=_tool_input(call.function.arguments))
@@ -180,6 +199,11 @@ class _ContentBlocks:
         self.open_type = block.type
         return [*events, sse_event(AnthropicContentBlockStartEvent(index=self.index, content_block=block))]
 
+    def thinking(self, text: str) -> list[str]:
+        events = [] if self.open_type == "thinking" else self._start(AnthropicThinkingBlock(thinking=""))
+        return [*events, sse_event(AnthropicContentBlockDeltaEvent(index=self.index,
+                                                                   delta=AnthropicThinkingDelta(thinking=text)))]
+
     def text(self, text: str) -> list[str]:
         events = [] if self.open_type == "text" else self._start(AnthropicTextBlock(text=""))
         return [*events, sse_event(AnthropicContentBlockDeltaEvent(index=self.index,
@@ -223,6 +247,9 @@ async def _stream(chunks: AsyncGenerator[str, None], message_id: str, model: str
                 return
             response = ChatCompletionStreamResponse.model_validate(parsed)
             for choice in response.choices:
+                if choice.delta.reasoning_content:
+                    for event in blocks.thinking(choice.delta.reasoning_content):
+                        yield event
                 if choice.delta.content:
                     for event in blocks.text(choice.delta.content):
                         yield event

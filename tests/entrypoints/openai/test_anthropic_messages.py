@@ -2,13 +2,16 @@
 against the shared live server (tiny random-weight Llama, SmolLM2's chat template). Greedy messages equal the same
 conversation through /v1/chat/completions with the official `openai` SDK (text, tool calls, stop and token
 counts), streamed or not; token counts equal the chat template's, rendered by transformers on the equivalent
-OpenAI messages; errors have Anthropic's shape and name the field; the key works as `x-api-key` too."""
+OpenAI messages; errors have Anthropic's shape and name the field; the key works as `x-api-key` too. With
+--reasoning-parser qwen3 (a tiny random Qwen3 whose template opens `<think>`), the chat completion's
+reasoning_content is a thinking block, streamed as thinking_delta events."""
 from __future__ import annotations
 
 import json
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 SYSTEM = "You answer in French."
@@ -271,3 +274,46 @@ def test_messages_count_in_the_engine_metrics(claude, server):
     before = server.wait_until_idle()[key]
     claude.messages.create(**sdk(greedy(max_tokens=2, messages=[{"role": "user", "content": USER}])))
     assert server.wait_until_idle()[key] == before + 1
+
+
+# A Qwen3-format template whose generation prompt opens the reasoning unless enable_thinking is false.
+THINKING_TEMPLATE = (r"{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' + message.content + "
+                     r"'<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+                     r"{%- if enable_thinking is defined and enable_thinking is false %}"
+                     r"{{- '<think>\n\n</think>\n\n' }}{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(qwen3_thinking_dir, start_server, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    yield from start_server(qwen3_thinking_dir, "--chat-template", str(template), "--reasoning-parser", "qwen3",
+                            "--max-num-seqs", "4")
+
+
+def test_reasoning_is_a_thinking_block_streamed_or_not(reasoning_server):
+    claude = anthropic.Anthropic(base_url=reasoning_server.url, api_key="none", max_retries=0, timeout=60)
+    chat = openai.OpenAI(base_url=f"{reasoning_server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    body = greedy(max_tokens=8, messages=[{"role": "user", "content": USER}],
+                  thinking={"type": "enabled", "budget_tokens": 1024})
+    message = claude.messages.create(**sdk(body))
+    reference = chat.chat.completions.create(**greedy(max_tokens=8, messages=[{"role": "user", "content": USER}]))
+    reasoning = reference.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning  # random weights rarely close </think> within 8 tokens
+    assert message.content[0].type == "thinking" and message.content[0].thinking == reasoning
+    assert "".join(b.text for b in message.content if b.type == "text") == (reference.choices[0].message.content
+                                                                           or "")
+    with claude.messages.stream(**sdk(body)) as stream:
+        deltas = [event.delta.thinking for event in stream
+                  if event.type == "content_block_delta" and event.delta.type == "thinking_delta"]
+        final = stream.get_final_message()
+    assert "".join(deltas) == reasoning and final.content[0].thinking == reasoning
+    # "disabled": the template closes the reasoning itself (Qwen3's enable_thinking), so all is text.
+    disabled = claude.messages.create(**sdk({**body, "thinking": {"type": "disabled"}}))
+    assert [block.type for block in disabled.content] in (["text"], [])
+
+
+def test_thinking_needs_a_reasoning_parser(claude):
+    with pytest.raises(anthropic.BadRequestError, match="--reasoning-parser"):
+        claude.messages.create(**sdk(greedy(max_tokens=4, messages=[{"role": "user", "content": USER}],
+                                            thinking={"type": "enabled", "budget_tokens": 1024})))
