@@ -10,9 +10,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from pagellm.entrypoints.openai.routes import (
+    batches,
     chat,
     completions,
     embeddings,
+    files,
     health,
     lora,
     messages,
@@ -37,4 +39,5 @@ ROUTERS: tuple[APIRouter, ...] = (
     tokenizer_info.router,  # /tokenizer_info
     embeddings.router,  # /v1/embeddings
     score.router,  # /score, /rerank (and their /v1 aliases)
+    files.router, batches.router,  # /v1/files, /v1/batches (batch jobs over the routes above)
 )

@@ -1,0 +1,99 @@
+"""`/v1/files` and `/v1/batches` with the openai SDK against the shared server (API key required, so the batch's
+lines must carry the submitter's key): a batch's output lines equal the same requests sent directly (greedy), a
+line the endpoint refuses lands in the error file, files list / retrieve / delete, bad ids are 404s."""
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import openai
+import pytest
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0}
+COMPLETION = {"model": "tiny", "prompt": "The capital of", "max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def served_model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _upload(client, lines: list[dict]):
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    return client.files.create(file=("requests.jsonl", io.BytesIO(data)), purpose="batch")
+
+
+def _wait(client, batch_id: str):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled"):
+            return batch
+        time.sleep(0.2)
+    raise AssertionError(f"batch {batch_id} still {batch.status}")
+
+
+def _lines(client, file_id: str) -> dict[str, dict]:
+    return {line["custom_id"]: line for line in map(json.loads, client.files.content(file_id).text.splitlines())}
+
+
+def test_chat_batch_matches_direct_requests(client, served_model):
+    bodies = {f"req-{i}": {**CHAT, "model": served_model,
+                           "messages": [{"role": "user", "content": f"Count to {i}"}]} for i in range(4)}
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+             for cid, body in bodies.items()]
+    lines.append({"custom_id": "refused", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {**CHAT, "model": served_model, "max_tokens": -1}})
+    uploaded = _upload(client, lines)
+    assert uploaded.purpose == "batch" and uploaded.bytes > 0
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert batch.status in ("validating", "in_progress")
+    batch = _wait(client, batch.id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (5, 4, 1)
+    outputs = _lines(client, batch.output_file_id)
+    assert set(outputs) == set(bodies)
+    for cid, body in bodies.items():
+        direct = client.chat.completions.create(**body).model_dump()
+        got = outputs[cid]["response"]
+        assert got["status_code"] == 200 and outputs[cid]["error"] is None
+        assert got["body"]["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+        assert got["body"]["usage"]["completion_tokens"] == direct["usage"]["completion_tokens"]
+    errors = _lines(client, batch.error_file_id)
+    assert errors["refused"]["response"]["status_code"] == 400
+    assert any(b.id == batch.id for b in client.batches.list().data)
+
+
+def test_completion_batch_and_files_api(client, served_model):
+    body = {**COMPLETION, "model": served_model}
+    uploaded = _upload(client, [{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}])
+    batch = _wait(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                                completion_window="24h").id)
+    assert batch.status == "completed" and batch.error_file_id is None
+    got = _lines(client, batch.output_file_id)["a"]["response"]["body"]
+    assert got["choices"][0]["text"] == client.completions.create(**body).choices[0].text
+
+    assert client.files.retrieve(uploaded.id).filename == "requests.jsonl"
+    assert uploaded.id in {f.id for f in client.files.list().data}
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_batch_whose_line_names_another_endpoint_fails(client, served_model):
+    uploaded = _upload(client, [{"custom_id": "x", "method": "POST", "url": "/v1/completions",
+                                 "body": {**COMPLETION, "model": served_model}}])
+    batch = _wait(client, client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h").id)
+    assert batch.status == "failed" and batch.errors.data[0].line == 1
+
+
+def test_bad_ids_and_purpose(client):
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_missing")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
