@@ -4,14 +4,15 @@ It reads scheduler and block-pool state that only the engine thread may touch, s
 steps (AsyncLLM.get_engine_state does that). It is compact because it is taken a few times a second while a
 dashboard is open: each pool is one string with a character per block (see BLOCK_CODES) rather than an object per
 block, and covers only the blocks created so far (the pools create blocks on first use; the rest are free and never
-used, so a host tier of millions of blocks costs nothing here either). Each request lists its block table as ids.
+used, so a host tier of millions of blocks costs nothing here either). Each request lists its block table as ids,
+without the entries freed because they fell out of a sliding window (counted apart).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from pagellm.core.kv.block_pool import BlockPool
-from pagellm.core.kv.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager, live
 from pagellm.core.request import Request
 from pagellm.core.sched.scheduler import Scheduler
 
@@ -40,6 +41,7 @@ def pool_state(pool: BlockPool) -> dict[str, Any]:
 
 
 def request_state(request: Request, manager: KVCacheManager) -> dict[str, Any]:
+    table = manager.req_to_blocks.get(request.request_id, [])
     return {
         "request_id": request.request_id,
         "group_id": request.group_id,  # the user's request: its n sequences or beams share it (and a colour)
@@ -52,7 +54,8 @@ def request_state(request: Request, manager: KVCacheManager) -> dict[str, Any]:
         "num_cached_tokens": request.num_cached_tokens,
         "num_preemptions": request.num_preemptions,
         "priority": request.priority,
-        "blocks": manager.get_block_ids(request.request_id),
+        "blocks": [block.block_id for block in live(table)],
+        "num_window_freed_blocks": len(table) - len(live(table)),
         "host_blocks": [block.block_id for block in manager.req_to_host_blocks.get(request.request_id, ())],
     }
 
@@ -63,6 +66,8 @@ def engine_state(scheduler: Scheduler) -> dict[str, Any]:
     return {
         "block_size": manager.block_size,
         "prefix_caching": manager.enable_prefix_caching,
+        "sliding_window": manager.sliding_window,  # None unless blocks out of a window shared by all layers are freed
+        "window_freed_blocks_total": manager.num_window_freed_blocks,
         "device": pool_state(manager.block_pool),
         "host": pool_state(manager.host_pool) if manager.host_pool is not None else None,
         "num_running": len(scheduler.running),

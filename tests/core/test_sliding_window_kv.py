@@ -10,6 +10,7 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from pagellm.core.request import Request
 from pagellm.core.sched.scheduler import Scheduler
+from pagellm.core.state_snapshot import request_state
 
 BS, W = 4, 8
 
@@ -141,3 +142,13 @@ def test_admission_counts_the_window_not_every_token():
     assert windowed.num_fitting([(1, 100)] * 3) == 1
     assert windowed.num_fitting([(1, 100)] * 3, free_blocks=12) == 2
     assert full.num_fitting([(1, 100)] * 3) == 0
+
+
+def test_dashboard_snapshot_lists_live_blocks_and_counts_the_freed():
+    kv = KVCacheManager(num_blocks=16, block_size=BS, sliding_window=W)
+    request = make_request("a", 20)
+    compute(kv, request, 20)
+    compute(kv, request, 1)
+    state = request_state(request, kv)
+    assert state["blocks"] == live_ids(kv, "a") and len(state["blocks"]) == 3
+    assert state["num_window_freed_blocks"] == first_block_read(20)

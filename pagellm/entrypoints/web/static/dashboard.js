@@ -47,6 +47,9 @@ function showSummary(engine) {
   $("running-count").textContent = engine.num_running;
   $("waiting-count").textContent = engine.num_waiting;
   $("preemptions").textContent = engine.num_preemptions_total;
+  $("window-summary").hidden = engine.sliding_window === null;
+  $("sliding-window").textContent = engine.sliding_window;
+  $("window-freed").textContent = engine.window_freed_blocks_total;
 }
 
 const COLUMNS = ["request", "status", "prompt computed / total", "generated / max", "blocks", "cached tokens",
@@ -66,7 +69,8 @@ function showQueue(table, requests, total) {
     const bar = el("span", "bar");
     bar.style.width = `${(100 * computed) / r.num_prompt_tokens}%`;
     progress.append(bar, el("span", "", `${computed} / ${r.num_prompt_tokens}`));
-    const blocks = r.host_blocks.length ? `${r.blocks.length} (+${r.host_blocks.length} on host)` : r.blocks.length;
+    let blocks = r.host_blocks.length ? `${r.blocks.length} (+${r.host_blocks.length} on host)` : `${r.blocks.length}`;
+    if (r.num_window_freed_blocks) blocks += ` (${r.num_window_freed_blocks} freed by the window)`;
     row.append(name, el("td", "", r.status), progress, el("td", "", `${r.num_output_tokens} / ${r.max_tokens}`),
       el("td", "", String(blocks)), el("td", "", String(r.num_cached_tokens)),
       el("td", "", String(r.num_preemptions)), el("td", "", String(r.priority)));
