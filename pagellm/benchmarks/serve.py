@@ -103,6 +103,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watch-engine-state", type=float, default=None, metavar="SECONDS",
                         help="keep pagellm's /v1/engine/state/stream open during the run, an event every SECONDS "
                              "(what an open /dashboard costs)")
+    parser.add_argument("--background-batch", type=int, default=0, metavar="N",
+                        help="after the run, submit a batch job of N such requests through /v1/batches and run the "
+                             "same load again beside it: TTFT without and with (serve with --scheduling-policy "
+                             "priority so that interactive requests go first)")
     parser.add_argument("--save-result", default=None, metavar="FILE", help="write the metrics as JSON")
     parser.add_argument("--disable-tqdm", action="store_true")
 
@@ -316,7 +320,8 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[float]]:
               (args.max_concurrency is None or args.max_concurrency >= 1, "--max-concurrency must be >= 1"),
               (all(m in METRICS for m in selected), f"--percentile-metrics: choose from {','.join(METRICS)}"),
               (all(0 <= p <= 100 for p in percentiles), "--metric-percentiles must be in [0, 100]"),
-              (args.watch_engine_state is None or args.watch_engine_state > 0, "--watch-engine-state must be > 0")]
+              (args.watch_engine_state is None or args.watch_engine_state > 0, "--watch-engine-state must be > 0"),
+              (args.background_batch >= 0, "--background-batch must be >= 0")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -390,10 +395,12 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{len(prompts)} requests to {url} (model {model}), request rate {args.request_rate}, burstiness "
           f"{args.burstiness}, max concurrency {args.max_concurrency}")
 
-    load = benchmark(url, headers, payloads, [p.prompt_len for p in prompts], chat, offsets, args.max_concurrency,
-                     args.disable_tqdm)
+    def load():
+        return benchmark(url, headers, payloads, [p.prompt_len for p in prompts], chat, offsets,
+                         args.max_concurrency, args.disable_tqdm)
+
     watch = EngineStateWatch(base_url, headers, args.watch_engine_state) if args.watch_engine_state else None
-    results, duration = asyncio.run(watch.during(load) if watch else load)
+    results, duration = asyncio.run(watch.during(load()) if watch else load())
     metrics = compute_metrics(results, duration, selected, percentiles)
     if watch:
         print(f"Engine state events received: {watch.num_events} ({watch.num_bytes / max(watch.num_events, 1):.0f} "
@@ -406,9 +413,30 @@ def run(args: argparse.Namespace) -> dict:
         for error in list(dict.fromkeys(metrics["errors"]))[:3]:  # distinct ones: one cause often fails many
             print(f"  {error}")
     print(format_report(metrics, selected, percentiles, args.max_concurrency))
+    if args.background_batch:
+        metrics["background_batch"] = _with_background_batch(args, base_url, headers, url[len(base_url):], payloads,
+                                                             load, metrics, percentiles)
     if args.save_result:
         config = {k: getattr(args, k) for k in ("backend", "num_prompts", "burstiness", "max_concurrency", "seed",
                                                 "mix")}
         config["request_rate"] = args.request_rate if math.isfinite(args.request_rate) else "inf"  # strict JSON
         Path(args.save_result).write_text(json.dumps({**config, "url": url, "model": model, **metrics}, indent=2))
     return metrics
+
+
+def _with_background_batch(args: argparse.Namespace, base_url: str, headers: dict, endpoint: str,
+                           payloads: list[dict], load, alone: dict, percentiles: list[float]) -> dict:
+    """The same load again while a batch of --background-batch requests (the payloads, cycled) runs behind it."""
+    from pagellm.benchmarks.background_batch import BackgroundBatch, format_comparison
+
+    batch = BackgroundBatch(base_url, headers)
+    batch.submit(endpoint, [payloads[i % len(payloads)] for i in range(args.background_batch)])
+    try:
+        results, duration = asyncio.run(load())
+    finally:
+        state = batch.cancel()
+    with_batch = compute_metrics(results, duration, ["ttft"], percentiles)
+    print(format_comparison(alone, with_batch, state))
+    return {"batch_size": args.background_batch, "batch_status": state["status"],
+            "batch_request_counts": state["request_counts"],
+            **{k: v for k, v in with_batch.items() if k.endswith("_ttft_ms") or k in ("completed", "failed")}}

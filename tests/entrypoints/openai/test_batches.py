@@ -3,12 +3,15 @@ lines must carry the submitter's key): a batch's output lines equal the same req
 line the endpoint refuses lands in the error file, files list / retrieve / delete, bad ids are 404s."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import time
 
 import openai
 import pytest
+
+from pagellm.benchmarks import serve as bench
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0}
 COMPLETION = {"model": "tiny", "prompt": "The capital of", "max_tokens": 6, "temperature": 0}
@@ -97,3 +100,17 @@ def test_bad_ids_and_purpose(client):
         client.batches.retrieve("batch_missing")
     with pytest.raises(openai.BadRequestError, match="purpose"):
         client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+
+
+def test_bench_serve_background_batch_smoke(server, model_dir, capsys):
+    """`bench serve --background-batch`: the second run goes beside a batch the server accepted (no timings)."""
+    parser = argparse.ArgumentParser()
+    bench.add_cli_args(parser)
+    metrics = bench.run(parser.parse_args([
+        "--disable-tqdm", "--base-url", server.url, "--api-key", server.api_key, "--tokenizer", str(model_dir),
+        "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "4", "--background-batch", "5"]))
+    background = metrics["background_batch"]
+    assert background["completed"] == 3 and background["failed"] == 0
+    assert background["batch_request_counts"]["total"] == 5
+    assert background["batch_status"] in ("in_progress", "completed")
+    assert "Interactive TTFT with a background batch" in capsys.readouterr().out
