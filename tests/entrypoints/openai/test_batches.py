@@ -10,8 +10,12 @@ import time
 
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from pagellm.benchmarks import serve as bench
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.api_server import ServerConfig, build_app
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0}
 COMPLETION = {"model": "tiny", "prompt": "The capital of", "max_tokens": 6, "temperature": 0}
@@ -114,3 +118,29 @@ def test_bench_serve_background_batch_smoke(server, model_dir, capsys):
     assert background["batch_request_counts"]["total"] == 5
     assert background["batch_status"] in ("in_progress", "completed")
     assert "Interactive TTFT with a background batch" in capsys.readouterr().out
+
+
+def test_interactive_request_goes_ahead_of_batch_lines_under_priority_policy(model_dir):
+    """One sequence per step and --scheduling-policy priority: the batch's lines carry a large priority, so an
+    interactive request sent once the batch runs finishes while most of the batch still waits (under fcfs it would
+    queue behind all of them)."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), max_model_len=128, max_num_seqs=1,
+                                                  kv_cache_memory_bytes=1 << 20, scheduling_policy="priority"),
+                                       log_stats=False)
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                    + "\n" for i in range(8))
+    with TestClient(build_app(engine, ServerConfig(served_model_names=["tiny"]))) as client:
+        file_id = client.post("/v1/files", data={"purpose": "batch"},
+                              files={"file": ("b.jsonl", lines.encode())}).json()["id"]
+        batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}).json()
+        while client.get(f"/v1/batches/{batch['id']}").json()["status"] == "validating":
+            time.sleep(0.01)
+        interactive = client.post("/v1/completions", json={**body, "max_tokens": 4})
+        counts = client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]
+        assert interactive.status_code == 200
+        assert counts["completed"] < counts["total"] - 2
+        while (batch := client.get(f"/v1/batches/{batch['id']}").json())["status"] == "in_progress":
+            time.sleep(0.05)
+        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 8
