@@ -152,3 +152,26 @@ def test_dashboard_snapshot_lists_live_blocks_and_counts_the_freed():
     state = request_state(request, kv)
     assert state["blocks"] == live_ids(kv, "a") and len(state["blocks"]) == 3
     assert state["num_window_freed_blocks"] == first_block_read(20)
+
+
+def test_a_prefix_hit_needs_only_the_blocks_inside_the_window():
+    """The head of a cached prefix is evicted; a request with the same 26 tokens still reuses the prefix whose next
+    query's window is cached: 24 tokens, the query at 24 reading keys 17-24 (blocks 4 and 5)."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, sliding_window=W)
+    tokens = list(range(100, 126))
+    first = make_request("a", tokens)
+    compute(kv, first, 26)
+    kv.free(first)
+    for block_hash in first.block_hashes[:3]:  # evict the three head blocks
+        kv.block_pool.cached.pop(block_hash).block_hash = None
+    second = make_request("b", tokens)
+    computed = kv.get_computed_blocks(second)
+    assert computed.num_blocks == 6 and computed.device[:first_block_read(24)] == [NULL_BLOCK] * 4
+    assert kv.allocate_slots(second, 2, computed) and second.num_computed_tokens == 24
+    kv.check_consistency({"b"})
+    assert kv.block_pool.num_used_blocks == 3  # blocks 4, 5 and the new one for tokens 24-25
+    full = KVCacheManager(num_blocks=8, block_size=BS)
+    compute(full, third := make_request("c", tokens), 26)
+    full.free(third)
+    full.block_pool.cached.pop(third.block_hashes[0]).block_hash = None
+    assert full.get_computed_blocks(make_request("d", tokens)).num_blocks == 0, "full attention needs the head"

@@ -143,7 +143,27 @@ class KVCacheManager:
             if block is None:
                 break
             computed.host.append(block)
+        if self.sliding_window is not None:
+            windowed = self._window_hit(hashes[:(request.num_tokens - 1) // self.block_size])
+            if windowed.num_blocks > computed.num_blocks:
+                return windowed
         return computed
+
+    def _window_hit(self, hashes: list[bytes]) -> ComputedBlocks:
+        """The longest prefix whose blocks the next query's window reads are all cached on the device (the ones
+        before the window may be gone: they come back as NULL_BLOCK entries), scanning back from the end."""
+        run = 0  # cached device blocks ending at the candidate prefix's end
+        for index in range(len(hashes) - 1, -1, -1):
+            if self.block_pool.lookup(hashes[index]) is None:
+                run = 0
+                continue
+            run += 1
+            end = index + run
+            first = self.num_skipped_blocks(end * self.block_size)
+            if index <= first:
+                window = [self.block_pool.cached[block_hash] for block_hash in hashes[first:end]]
+                return ComputedBlocks(device=[NULL_BLOCK] * first + window)
+        return ComputedBlocks()
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
@@ -195,13 +215,13 @@ class KVCacheManager:
         num_held = len(blocks) + computed.num_blocks + len(swapped) + num_swapped_freed
         num_fresh = max(self.num_blocks_for_tokens(num_computed + num_new_tokens) - num_held, 0)
         # Cached hits nobody holds are counted as free, but taking them makes them unavailable.
-        free = self.block_pool.num_free_blocks - sum(block.ref_cnt == 0 for block in computed.device)
+        free = self.block_pool.num_free_blocks - sum(block.ref_cnt == 0 for block in live(computed.device))
         if num_fresh + copy_on_write + len(computed.host) + len(swapped) > free:
             return False
 
         if computed.num_blocks:
             self._record_hit(request, computed.num_blocks * self.block_size)
-        self.block_pool.touch(computed.device)
+        self.block_pool.touch(live(computed.device))
         blocks = blocks + computed.device
         if computed.host:
             blocks += self._load_from_host(computed.host, release=False)
