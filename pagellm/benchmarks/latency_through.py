@@ -68,7 +68,9 @@ def _serve(engine_args, port: int) -> None:
     from pagellm.entrypoints.openai.api_server import ServerConfig, build_app
 
     engine = AsyncLLM.from_engine_args(engine_args, log_stats=False)
-    app = build_app(engine, ServerConfig(served_model_names=[engine.config.model_config.served_model_name]))
+    name = engine.config.model_config.served_model_name
+    assert name is not None  # EngineArgs always names the model
+    app = build_app(engine, ServerConfig(served_model_names=[name]))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 

@@ -22,7 +22,6 @@ from pagellm.entrypoints.openai.serving_engine import (
     accumulate,
     chain_first,
     first_and_rest,
-    salted,
     usage,
 )
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput

@@ -17,8 +17,8 @@ from torch import nn
 
 from pagellm.kernels import decoder as fused_decoder_kernels
 from pagellm.kernels import elementwise
-from pagellm.lora import context as lora_context
 from pagellm.kernels.decoder import FusedDecoder, LayerWeights
+from pagellm.lora import context as lora_context
 from pagellm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from pagellm.model_executor.layers.attention import AttentionMetadata, select_backend
 from pagellm.model_executor.layers.linear import KERNEL_MAX_ROWS
