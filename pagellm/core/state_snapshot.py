@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from pagellm.core.kv.block_pool import BlockPool
-from pagellm.core.kv.kv_cache_manager import KVCacheManager, live
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.sliding_window import live
 from pagellm.core.request import Request
 from pagellm.core.sched.scheduler import Scheduler
 

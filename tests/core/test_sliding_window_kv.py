@@ -7,7 +7,8 @@ from __future__ import annotations
 from scheduler_factories import make_request
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.kv.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.sliding_window import NULL_BLOCK
 from pagellm.core.request import Request
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.core.state_snapshot import request_state

@@ -25,19 +25,12 @@ from dataclasses import dataclass, field
 
 from pagellm.core.kv.block_hash import extend_block_hashes
 from pagellm.core.kv.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.kv.sliding_window import NULL_BLOCK, live, num_skipped_blocks, window_hit
 from pagellm.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# A freed table entry: held by no one and never ref counted; its id pads tables as block 0 does.
-NULL_BLOCK = KVCacheBlock(0)
-
-
-def live(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-    return [block for block in blocks if block is not NULL_BLOCK]
 
 
 @dataclass(slots=True)
@@ -105,10 +98,7 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def num_skipped_blocks(self, num_computed: int) -> int:
-        """Leading blocks no query from position `num_computed` on reads: wholly before its window."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+        return num_skipped_blocks(num_computed, self.sliding_window, self.block_size)
 
     def num_blocks_needed(self, num_computed: int, num_new: int) -> int:
         """Blocks a request holds while computing `num_new` tokens after `num_computed`: its window's, not all."""
@@ -144,26 +134,11 @@ class KVCacheManager:
                 break
             computed.host.append(block)
         if self.sliding_window is not None:
-            windowed = self._window_hit(hashes[:(request.num_tokens - 1) // self.block_size])
-            if windowed.num_blocks > computed.num_blocks:
-                return windowed
+            windowed = window_hit(self.block_pool, hashes[:(request.num_tokens - 1) // self.block_size],
+                                  self.sliding_window, self.block_size)
+            if len(windowed) > computed.num_blocks:
+                return ComputedBlocks(device=windowed)
         return computed
-
-    def _window_hit(self, hashes: list[bytes]) -> ComputedBlocks:
-        """The longest prefix whose blocks the next query's window reads are all cached on the device (the ones
-        before the window may be gone: they come back as NULL_BLOCK entries), scanning back from the end."""
-        run = 0  # cached device blocks ending at the candidate prefix's end
-        for index in range(len(hashes) - 1, -1, -1):
-            if self.block_pool.lookup(hashes[index]) is None:
-                run = 0
-                continue
-            run += 1
-            end = index + run
-            first = self.num_skipped_blocks(end * self.block_size)
-            if index <= first:
-                window = [self.block_pool.cached[block_hash] for block_hash in hashes[first:end]]
-                return ComputedBlocks(device=[NULL_BLOCK] * first + window)
-        return ComputedBlocks()
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
