@@ -24,6 +24,15 @@ class LoRALayerWeights:
 
 
 @dataclass(frozen=True)
+class StackedLoRA:
+    """Several adapters' weights for one layer side by side: `owner[j]` is the adapter (its position in the set)
+    that rank column j belongs to."""
+    a_t: torch.Tensor  # [input features, ranks of all]
+    b_t: torch.Tensor  # [ranks of all, output features]
+    owner: torch.Tensor  # [ranks of all], int64
+
+
+@dataclass(frozen=True)
 class LoRAModel:
     lora_int_id: int
     layers: dict[nn.Module, LoRALayerWeights]  # keyed by the model's layer objects
@@ -58,3 +67,17 @@ def build_lora_model(lora_int_id: int, adapter: PEFTAdapter, model: nn.Module, d
             col += part.shape[1]
         layers[layer] = LoRALayerWeights(a.T.contiguous().to(device), b.T.contiguous().to(device))
     return LoRAModel(lora_int_id, layers)
+
+
+def stack_adapters(adapters: tuple[LoRAModel, ...], layer: nn.Module) -> StackedLoRA | None:
+    """`adapters`' weights for `layer` side by side (None when none of them changes it)."""
+    parts = [(i, adapter.layers[layer]) for i, adapter in enumerate(adapters) if layer in adapter.layers]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        i, weights = parts[0]
+        owner = torch.full((weights.a_t.shape[1],), i, dtype=torch.int64, device=weights.a_t.device)
+        return StackedLoRA(weights.a_t, weights.b_t, owner)
+    owner = torch.cat([torch.full((w.a_t.shape[1],), i, dtype=torch.int64, device=w.a_t.device) for i, w in parts])
+    return StackedLoRA(torch.cat([w.a_t for _, w in parts], dim=1).contiguous(),
+                       torch.cat([w.b_t for _, w in parts]).contiguous(), owner)

@@ -1,6 +1,6 @@
 """The worker's adapters: loaded from their directory on a request's first step, kept by `lora_int_id` (the
-`max_loras` most recently used; the step's own adapters are never evicted), and each step's token rows grouped
-per adapter for the linear layers (see context.py)."""
+`max_loras` most recently used; the step's own adapters are never evicted), each step's rows mapped to their
+adapter, and each set of adapters that shares a step stacked per layer once (see context.py)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -10,16 +10,20 @@ import torch
 from torch import nn
 
 from pagellm.config import LoRAConfig
-from pagellm.lora.context import LoRABatch, LoRAGroup
+from pagellm.lora.context import LoRABatch
 from pagellm.lora.peft import load_peft_adapter
 from pagellm.lora.request import LoRARequest
-from pagellm.lora.weights import LoRAModel, build_lora_model
+from pagellm.lora.weights import LoRAModel, StackedLoRA, build_lora_model, stack_adapters
+
+_MAX_STACKS = 16  # sets of adapters whose stacked weights are kept
 
 
 class LoRAWorkerManager:
     def __init__(self, config: LoRAConfig, model: nn.Module, hf_config, device: torch.device) -> None:
         self.config, self.model, self.hf_config, self.device = config, model, hf_config, device
         self.adapters: OrderedDict[int, LoRAModel] = OrderedDict()
+        # adapter ids of a step -> layer -> their stacked weights (None: no adapter of the set changes the layer)
+        self._stacks: dict[tuple[int, ...], dict[nn.Module, StackedLoRA | None]] = {}
 
     def _get(self, request: LoRARequest) -> LoRAModel:
         adapter = self.adapters.get(request.lora_int_id)
@@ -31,23 +35,36 @@ class LoRAWorkerManager:
         return adapter
 
     def batch(self, requests: list[LoRARequest | None], query_lens: np.ndarray) -> LoRABatch | None:
-        """The rows of each adapter in a step whose sequences (in the flat batch's order, `query_lens` tokens each)
-        run with `requests`; None when none has an adapter."""
+        """The adapter of each token row of a step whose sequences (in the flat batch's order, `query_lens` tokens
+        each) run with `requests`; None when none has an adapter."""
         if all(r is None for r in requests):
             return None
-        ids = np.array([0 if r is None else r.lora_int_id for r in requests], dtype=np.int64)
-        token_ids = np.repeat(ids, query_lens)
-        groups = []
-        for request in {r.lora_int_id: r for r in requests if r is not None}.values():
-            rows = np.flatnonzero(token_ids == request.lora_int_id)
-            index: slice | torch.Tensor | None
-            if len(rows) == len(token_ids):
-                index = None
-            elif rows[-1] - rows[0] + 1 == len(rows):
-                index = slice(int(rows[0]), int(rows[-1]) + 1)
-            else:
-                index = torch.from_numpy(rows).to(self.device, non_blocking=True)
-            groups.append(LoRAGroup(self._get(request), index))
-        for lora_id in list(self.adapters)[:max(0, len(self.adapters) - max(self.config.max_loras, len(groups)))]:
-            del self.adapters[lora_id]  # least recently used first; this step's adapters are the most recent
-        return LoRABatch(groups)
+        unique = {r.lora_int_id: r for r in requests if r is not None}
+        adapters = tuple(self._get(r) for r in unique.values())
+        self._evict(len(adapters))
+        row_adapter = None
+        if len(adapters) > 1 or any(r is None for r in requests):
+            position = {lora_id: i for i, lora_id in enumerate(unique)}
+            per_request = np.array([-1 if r is None else position[r.lora_int_id] for r in requests], dtype=np.int64)
+            row_adapter = torch.from_numpy(np.repeat(per_request, query_lens)).to(self.device)
+        key = tuple(unique)
+        stacks = self._stacks.get(key)
+        if stacks is None:
+            if len(self._stacks) >= _MAX_STACKS:
+                self._stacks.clear()
+            stacks = self._stacks[key] = {}
+
+        def stacked(layer: nn.Module) -> StackedLoRA | None:
+            if layer not in stacks:
+                stacks[layer] = stack_adapters(adapters, layer)
+            return stacks[layer]
+
+        return LoRABatch(stacked, row_adapter)
+
+    def _evict(self, in_use: int) -> None:
+        """Drop the least recently used adapters beyond max_loras (this step's are the most recent)."""
+        evicted = list(self.adapters)[:max(0, len(self.adapters) - max(self.config.max_loras, in_use))]
+        for lora_id in evicted:
+            del self.adapters[lora_id]
+        if evicted:
+            self._stacks = {key: stacks for key, stacks in self._stacks.items() if not set(key) & set(evicted)}
