@@ -70,12 +70,14 @@ def test_prefix_longer_than_the_window_from_the_cache(model_dir, make_token_prom
     no_leaks(llm)
 
 
-def test_blocks_out_of_the_window_are_freed(model_dir, prompts, hf_model, pool_bytes, no_leaks):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_blocks_out_of_the_window_are_freed(async_scheduling, model_dir, prompts, hf_model, pool_bytes, no_leaks):
     """A pool of 42 blocks (336 tokens) runs the 5 prompts' 672 tokens at once without preempting: each sequence
-    keeps only the blocks its window still reads."""
+    keeps only the blocks its window still reads (with async scheduling too, a step planned while the one before
+    it runs)."""
     block_size = 8
     llm = LLM(model=str(model_dir), max_model_len=320, block_size=block_size, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, 42))
+              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, 42), async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     core = llm.llm_engine.engine_core
     assert sum(PROMPT_LENS) + len(PROMPT_LENS) * NEW_TOKENS > core.num_blocks * block_size
