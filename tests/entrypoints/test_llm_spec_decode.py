@@ -121,3 +121,20 @@ def test_never_past_max_tokens(tiny, prompts):
         for prompt, output in zip(prompts, outputs):
             assert list(output.outputs[0].token_ids) == hf_greedy(hf, prompt["prompt_token_ids"], 24)[:max_tokens]
     llm.llm_engine.engine_core.scheduler.check_consistency()
+
+
+def test_constrained_and_stop_string_requests_run_without_drafts_beside_speculating_ones(tiny, prompts):
+    """A grammar's bitmask covers one position and stop strings are found after detokenizing: such requests decode
+    a token a step, in the same batches as speculating ones, with the outputs they have without speculation."""
+    from pagellm.sampling_params import StructuredOutputsParams
+
+    model_dir, _ = tiny
+    params = [greedy(16, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,12}")),
+              greedy(16, stop=["zzz"]), greedy(16), greedy(16)]
+    base = make_llm(model_dir, spec=False).generate(prompts, params)
+    llm = make_llm(model_dir, spec=True)
+    spec = llm.generate(prompts, params)
+    assert token_ids(spec) == token_ids(base)
+    assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in base]
+    stats = llm.llm_engine.engine_core.scheduler.spec_decoding_stats
+    assert 0 < stats.num_drafts <= 2 * 15, "only the two plain requests draft, at most once per decode step"
