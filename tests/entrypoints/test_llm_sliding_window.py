@@ -123,3 +123,22 @@ def test_forced_attention_backend_matches_transformers(backend, model_dir, promp
     read once per process, so the run is a separate one."""
     for prompt, tokens, logprobs in greedy_with_backend(backend, model_dir, prompts, NEW_TOKENS):
         check_teacher_forced(hf_model, prompt, tokens, logprobs)
+
+
+def test_speculative_decoding_with_freed_blocks(model_dir, make_token_prompts, hf_model, pool_bytes, no_leaks):
+    """Ngram drafts over repetitive 120-token prompts (look-ahead slots past the window's blocks) in a 42-block
+    pool that frees blocks out of the window: every accepted token is transformers' greedy one."""
+    block_size = 8
+    base = [t["prompt_token_ids"] for t in make_token_prompts([12, 15, 20], seed=9)]
+    prompts = [{"prompt_token_ids": (ids * 10)[:120]} for ids in base]
+    llm = LLM(model=str(model_dir), max_model_len=320, block_size=block_size, max_num_batched_tokens=64,
+              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, 42),
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    outputs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    core = llm.llm_engine.engine_core
+    assert core.kv_cache_manager.num_window_freed_blocks > 0
+    assert core.scheduler.stats().spec_decode_num_accepted_tokens > 0, "drafts were accepted"
+    for output in outputs:
+        assert_matches_transformers(hf_model, output)
+    no_leaks(llm)
