@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagellm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagellm.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagellm.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.executor.uniproc_executor import UniProcExecutor
@@ -29,7 +29,7 @@ def make_worker(swap_space_bytes: int = 0, dtype: torch.dtype = torch.bfloat16, 
     config = SimpleNamespace(model_config=model_config, cache_config=cache_config,
                              scheduler_config=SchedulerConfig(),
                              device_config=SimpleNamespace(device=torch.device("cpu")),
-                             parallel_config=ParallelConfig())
+                             parallel_config=ParallelConfig(), lora_config=LoRAConfig())
     return Worker(config)
 
 
