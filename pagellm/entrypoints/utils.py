@@ -56,6 +56,9 @@ def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., A
         disconnect_task = asyncio.create_task(_wait_for_disconnect(kwargs["raw_request"]))
         try:
             done, _ = await asyncio.wait((handler_task, disconnect_task), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller was cancelled (a cancelled batch job, a server shutdown)
+            handler_task.cancel()
+            raise
         finally:
             disconnect_task.cancel()
         if handler_task not in done:

@@ -144,3 +144,32 @@ def test_interactive_request_goes_ahead_of_batch_lines_under_priority_policy(mod
         while (batch := client.get(f"/v1/batches/{batch['id']}").json())["status"] == "in_progress":
             time.sleep(0.05)
         assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 8
+
+
+def _metric(client, prefix: str) -> float:
+    """The sum of the /metrics samples whose line starts with `prefix` (a name and a label or two)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+               if line.startswith(prefix))
+
+
+def test_cancel_aborts_the_lines_in_flight(model_dir):
+    """A cancelled batch's running lines are aborted in the engine, not left to finish."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), max_model_len=128, max_num_seqs=1,
+                                                  kv_cache_memory_bytes=1 << 20), log_stats=False)
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True}
+    lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                    + "\n" for i in range(6))
+    with TestClient(build_app(engine, ServerConfig(served_model_names=["tiny"]))) as client:
+        file_id = client.post("/v1/files", data={"purpose": "batch"},
+                              files={"file": ("b.jsonl", lines.encode())}).json()["id"]
+        batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}).json()
+        while client.get(f"/v1/batches/{batch['id']}").json()["status"] == "validating":
+            time.sleep(0.01)
+        cancelled = client.post(f"/v1/batches/{batch['id']}/cancel").json()
+        assert cancelled["status"] == "cancelled"
+        while _metric(client, "pagellm:num_requests_running{") + _metric(client, "pagellm:num_requests_waiting{"):
+            time.sleep(0.05)
+        # Without the abort all 6 lines would run to max_tokens ("length").
+        assert _metric(client, 'pagellm:request_success_total{engine="0",finished_reason="length"') < 6
+        assert client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
