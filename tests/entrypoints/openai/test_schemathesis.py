@@ -27,7 +27,8 @@ EXPECTED_OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "POS
                        "DELETE /v1/responses/{response_id}", "POST /v1/files", "GET /v1/files",
                        "GET /v1/files/{file_id}", "GET /v1/files/{file_id}/content", "DELETE /v1/files/{file_id}",
                        "POST /v1/batches", "GET /v1/batches", "GET /v1/batches/{batch_id}",
-                       "POST /v1/batches/{batch_id}/cancel"}
+                       "POST /v1/batches/{batch_id}/cancel", "POST /v1/load_lora_adapter",
+                       "POST /v1/unload_lora_adapter"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 # Generous: a fuzzed request on a 48-token context finishes in well under a second; this only stops a hang.
 REQUEST_TIMEOUT_S = 30
