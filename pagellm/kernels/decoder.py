@@ -77,7 +77,8 @@ def _address(function) -> int:
 @dataclass
 class LayerWeights:
     """One decoder layer's kernels and float tensors (biases, norms: None when the model has none), its RoPE tables
-    (RotaryEmbedding's cos/sin caches) and its attention's sliding window (None: the whole sequence).
+    (RotaryEmbedding's cos/sin caches; None: the layer attends without positions) and its attention's sliding window
+    (None: the whole sequence).
 
     `input_norm` and `mlp_norm` normalise the attention's and the MLP's inputs (Llama's input_layernorm and
     post_attention_layernorm); `attn_out_norm` and `mlp_out_norm` normalise their outputs before the residual adds
@@ -88,8 +89,8 @@ class LayerWeights:
     down: linear.PackedMatmul
     input_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    cos_table: torch.Tensor
-    sin_table: torch.Tensor
+    cos_table: torch.Tensor | None
+    sin_table: torch.Tensor | None
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None

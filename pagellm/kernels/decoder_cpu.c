@@ -34,7 +34,7 @@ typedef struct {
     const float *input_norm, *mlp_norm;                        /* the norms of the attention's and MLP's inputs */
     const float *q_norm, *k_norm;                              /* NULL unless per-head (Qwen3, Gemma 3) */
     const float *attn_out_norm, *mlp_out_norm;                 /* NULL unless Gemma 3 */
-    const float *cos_table, *sin_table; /* this layer's RoPE tables, as RotaryEmbedding keeps them */
+    const float *cos_table, *sin_table; /* this layer's RoPE tables, as RotaryEmbedding keeps them; NULL: none */
     void *key_cache, *value_cache;      /* [kv_heads, num_blocks, block_size, D] of the decoder's kv_type */
     int64_t sliding_window;             /* this layer's: a query sees the last n tokens; 0: all of them */
 } pagellm_decoder_layer;
@@ -83,8 +83,11 @@ int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, 
             d->rms_norm(row, NULL, layer->q_norm, row, d->heads, d->head_dim, d->eps, 1);
             d->rms_norm(row + q_size, NULL, layer->k_norm, row + q_size, d->kv_heads, d->head_dim, d->eps, 1);
         }
-        d->rope(wide, m, d->heads, qkv_size, d->head_dim, positions, layer->cos_table, layer->sin_table);
-        d->rope(wide + q_size, m, d->kv_heads, qkv_size, d->head_dim, positions, layer->cos_table, layer->sin_table);
+        if (layer->cos_table) { /* NULL: a layer without positions (SmolLM3's no-RoPE layers) */
+            d->rope(wide, m, d->heads, qkv_size, d->head_dim, positions, layer->cos_table, layer->sin_table);
+            d->rope(wide + q_size, m, d->kv_heads, qkv_size, d->head_dim, positions, layer->cos_table,
+                    layer->sin_table);
+        }
         d->write_cache(wide + q_size, wide + q_size + kv_size, qkv_size, qkv_size, slots, m, d->kv_heads, d->head_dim,
                        num_slots, layer->key_cache, layer->value_cache, (int)d->kv_type);
         for (int64_t t = 0; t < m; t++) memcpy(query + t * q_size, wide + t * qkv_size, sizeof(float) * (size_t)q_size);

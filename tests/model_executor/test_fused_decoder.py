@@ -1,6 +1,6 @@
 """The fused CPU decode step (every decoder layer in one C call) against the module-by-module path on the same
 weights, for each model variant (plain Llama, Qwen2's biases, Qwen3's per-head norms, Gemma 3's output norms,
-tanh-GELU, per-layer RoPE bases and windows) and weight storage (float32,
+tanh-GELU, per-layer RoPE bases and windows; SmolLM3's layers without RoPE) and weight storage (float32,
 int8 blocks), and over float16, bfloat16 and fp8 KV caches. The module path itself is checked against transformers
 in tests/entrypoints."""
 from __future__ import annotations
@@ -32,6 +32,7 @@ def run(model_dir, quantization: str, fused: bool, prompts, monkeypatch, kv_cach
     ("llama", "none", "float16"), ("qwen3", "int8", "bfloat16"),  # the fused step writes and reads a narrow cache
     ("qwen2", "int8", "fp8"),
     ("gemma3", "none", "auto"), ("gemma3", "int8", "float16"),
+    ("smollm3", "none", "auto"),  # NoPE layers: no rotation
 ])
 def test_fused_decode_matches_module_path(kind, quantization, kv_cache_dtype, tiny_model_factory, make_token_prompts,
                                           monkeypatch):

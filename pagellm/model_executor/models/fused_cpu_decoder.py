@@ -43,13 +43,14 @@ def llama_norms(layer: nn.Module) -> LayerNorms:
 
 
 def build_fused_decoder(layers: list[nn.Module], config, tp_size: int,
-                        rotary_of: Callable[[nn.Module], RotaryEmbedding],
+                        rotary_of: Callable[[nn.Module], RotaryEmbedding | None],
                         norms_of: Callable[[nn.Module], LayerNorms] = llama_norms) -> FusedDecoder | None:
     """The one-call decoder over `layers` (decoder layers with `self_attn` and `mlp` as in llama.py), or None where it
-    does not apply. `rotary_of(layer)` is the layer's RotaryEmbedding, `norms_of(layer)` its norms' parts."""
+    does not apply. `rotary_of(layer)` is the layer's RotaryEmbedding (None: no positions), `norms_of(layer)` its
+    norms' parts."""
     # The device is checked before the C library is loaded, which compiles it the first time.
     rotaries = [rotary_of(layer) for layer in layers]
-    if (tp_size > 1 or any(r.cos_cache.device.type != "cpu" or r.rotary_dim != r.head_dim for r in rotaries)
+    if (tp_size > 1 or any(r.cos_cache.device.type != "cpu" or r.rotary_dim != r.head_dim for r in rotaries if r)
             or fused_decoder_kernels.load() is None
             or not select_backend("cpu", torch.float32).supports_fused_decoder):
         return None
@@ -65,7 +66,8 @@ def build_fused_decoder(layers: list[nn.Module], config, tp_size: int,
         qkv, o, gate_up, down = (p.kernel for p in projections)
         weights.append(LayerWeights(
             qkv=qkv, o=o, gate_up=gate_up, down=down, input_norm=norms.input.weight, mlp_norm=norms.mlp.weight,
-            cos_table=rotary.cos_cache, sin_table=rotary.sin_cache, qkv_bias=attn.qkv_proj.bias,
+            cos_table=rotary.cos_cache if rotary else None, sin_table=rotary.sin_cache if rotary else None,
+            qkv_bias=attn.qkv_proj.bias,
             o_bias=attn.o_proj.bias, gate_up_bias=mlp.gate_up_proj.bias, down_bias=mlp.down_proj.bias,
             q_norm=attn.q_norm.weight if attn.q_norm else None, k_norm=attn.k_norm.weight if attn.k_norm else None,
             attn_out_norm=norms.attn_out.weight if norms.attn_out else None,

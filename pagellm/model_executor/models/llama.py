@@ -107,11 +107,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
         has_lm_head = is_last and not self.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if has_lm_head else None
-        # The one C call rotates every layer's queries and keys: a stage with a NoPE layer runs module by module.
         self.fused_step = FusedDecodeStep(lambda: build_fused_decoder(
-            self.stage.own, config, self.tp_size, rotary_of=lambda layer: self.rotary_emb)
-            if self.use_fused_decoder and all(layer.self_attn.rotary_emb is not None for layer in self.stage.own)
-            else None)
+            self.stage.own, config, self.tp_size, rotary_of=lambda layer: layer.self_attn.rotary_emb)
+            if self.use_fused_decoder else None)
 
     def uses_rope(self, config, index: int) -> bool:
         """Whether layer `index` rotates its queries and keys; a family with position-free layers overrides it."""

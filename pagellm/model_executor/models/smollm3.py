@@ -7,8 +7,7 @@ switch. Where `use_sliding_window` and `sliding_window` are set, transformers ma
 "sliding_attention" in `layer_types`, which the attention reads (layer_sliding_window); SmolLM3-3B sets neither.
 The checkpoint is Llama's (separate q/k/v and gate/up matrices, the LM head tied to the embedding by default).
 
-The one-call CPU decode step (fused_cpu_decoder.py) rotates every layer, so a stage holding a NoPE layer decodes
-module by module (still on the C matmuls and attention kernels).
+The one-call CPU decode step (fused_cpu_decoder.py) skips the rotation of a NoPE layer (its RoPE tables are None).
 """
 from __future__ import annotations
 
