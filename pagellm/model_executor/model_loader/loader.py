@@ -76,7 +76,7 @@ def _warn_unpacked_types(model_dir: str | Path) -> None:
     """Matrices in a type the kernels cannot multiply with (IQ1 to IQ3) are dequantized to float32 by their layers:
     say which, and what it costs in memory, rather than let a file take several times its size unexplained."""
     unpacked = [entry for entry in gguf_tensor_index(model_dir)
-                if len(entry["shape"]) == 2 and entry["type"] not in linear_kernels.SUPPORTED_TYPES]
+                if len(entry["shape"]) >= 2 and entry["type"] not in linear_kernels.SUPPORTED_TYPES]
     if unpacked:
         types = Counter(GGMLQuantizationType(entry["type"]).name for entry in unpacked)
         stored = sum(entry["bytes"] for entry in unpacked)
