@@ -16,6 +16,8 @@ from pagellm.entrypoints.openai.routes.state import ServerState, ServerStateDep
 from pagellm.lora.registry import LoRARegistry
 
 router = APIRouter()
+# vLLM answers a load or unload with a line of text; errors are OpenAI's JSON error body.
+_SUCCESS: dict[int | str, dict] = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -35,8 +37,8 @@ def _registry(state: ServerState) -> LoRARegistry:
     return loras
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
-             responses=responses(HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED))
+@router.post("/v1/load_lora_adapter", responses={**responses(HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED),
+                                                 **_SUCCESS})
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     loras = _registry(state)
     if body.lora_name in state.served_model_names:
@@ -50,8 +52,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
-             responses=responses(HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, HTTPStatus.UNAUTHORIZED))
+@router.post("/v1/unload_lora_adapter", responses={**responses(HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND,
+                                                               HTTPStatus.UNAUTHORIZED), **_SUCCESS})
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     try:
         _registry(state).unload(body.lora_name)
