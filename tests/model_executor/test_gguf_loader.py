@@ -139,7 +139,7 @@ def write_tiny_gguf(path: pathlib.Path, qtype: QT, *, arch: str = "llama", tied:
         hf[hf_name] = (1 + spread * rng.standard_normal(size)).astype(np.float32)
         w.add_tensor(gguf_name, hf[hf_name])  # llama.cpp keeps 1-D tensors in F32
 
-    permuted = arch == "llama"  # convert_hf_to_gguf permutes Q/K for llama only (Qwen uses NeoX-mode rope)
+    permuted = arch in ("llama", "smollm3")  # convert_hf_to_gguf permutes Q/K for these (Qwen: NeoX-mode rope)
     matrix("token_embd.weight", "model.embed_tokens.weight", vocab_size, HIDDEN)
     for i in range(LAYERS):
         p, q = f"blk.{i}.", f"model.layers.{i}."
@@ -398,7 +398,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"'gpt2'.*llama, qwen2, qwen3, gemma3, phi3, qwen3moe"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, smollm3, qwen2, qwen3, gemma3, phi3, qwen3moe"):
         convert_gguf_to_hf_dir(path)
     assert list((tmp_path / "pagellm-cache" / "gguf").iterdir()) == []
 

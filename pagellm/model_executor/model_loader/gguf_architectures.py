@@ -113,6 +113,13 @@ def _floats(tensor: Any) -> list[float]:
     return [float(v) for v in np.asarray(quants.dequantize(tensor.data, tensor.tensor_type)).ravel()]
 
 
+def smollm3_config(key: MetadataKey, config: dict[str, Any], tensors: Tensors) -> dict[str, Any]:
+    """llama.cpp keeps SmolLM3's layers without RoPE in code: every fourth layer (3, 7, ...), as transformers'
+    default `no_rope_layer_interval` (its `no_rope_layers[i]` is 1 where layer i *uses* RoPE); no sliding window."""
+    return {"no_rope_layer_interval": 4, "use_sliding_window": False,
+            "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(config["num_hidden_layers"])]}
+
+
 @dataclass(frozen=True)
 class GGUFArchitecture:
     hf_architecture: str  # the Hugging Face `architectures` entry (see models/registry.py)
@@ -134,6 +141,8 @@ class GGUFArchitecture:
 # general.architecture -> what it converts to. Mistral files say "llama".
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", rotary_permuted=True),
+    # llama.cpp's converter writes SmolLM3 as Llama (Q/K rows permuted too).
+    "smollm3": GGUFArchitecture("SmolLM3ForCausalLM", "smollm3", rotary_permuted=True, extra_config=smollm3_config),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", rotary_permuted=False, extra_config=no_sliding_window),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", rotary_permuted=False, extra_config=no_sliding_window),
     "gemma3": GGUFArchitecture(

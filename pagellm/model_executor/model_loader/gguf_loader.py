@@ -10,6 +10,7 @@ scaling recovered from the metadata and the rope tensors, and an atomic on-disk 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -18,7 +19,7 @@ import pathlib
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import gguf
@@ -38,7 +39,7 @@ from pagellm.model_executor.model_loader.gguf_architectures import (
 )
 
 # Bump whenever the output layout changes, so stale cache entries are never reused.
-CONVERTER_VERSION = "7"
+CONVERTER_VERSION = "8"
 
 
 SUPPORTED_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
@@ -333,7 +334,8 @@ def _build_state_dict(tensors: dict[str, Any], plans: dict[str, TensorPlan]) -> 
 def _save_tokenizer(path: pathlib.Path, out_dir: pathlib.Path, chat_template: str | None) -> None:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _architecture_known_to_transformers(path):
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(out_dir))
@@ -346,6 +348,24 @@ def _save_tokenizer(path: pathlib.Path, out_dir: pathlib.Path, chat_template: st
         _write_json(config_path, tok_config)
     if not (out_dir / "special_tokens_map.json").exists():
         _write_json(out_dir / "special_tokens_map.json", dict(tokenizer.special_tokens_map))
+
+
+@contextlib.contextmanager
+def _architecture_known_to_transformers(path: pathlib.Path) -> Iterator[None]:
+    """transformers reads the tokenizer of a GGUF file only for the architectures whose weights it converts, although
+    the tokenizer does not depend on them: for one it lacks (smollm3), list it while the tokenizer loads."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    architecture = str(_meta(gguf.GGUFReader(str(path)), "general.architecture"))
+    supported = gguf_utils.GGUF_SUPPORTED_ARCHITECTURES
+    added = architecture not in supported
+    if added:
+        supported.append(architecture)
+    try:
+        yield
+    finally:
+        if added:
+            supported.remove(architecture)
 
 
 def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
