@@ -71,7 +71,7 @@ class PoolingServing(OpenAIServing):
 
 class OpenAIServingEmbedding(PoolingServing):
     async def create_embedding(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        model = self.model_name(request.model)
+        model = self.base_model_name(request.model)
         prompts = await self.prompts(request.input, "input", request.add_special_tokens)
         # The engine checks dimensions against the hidden size (a 400 naming the field).
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)

@@ -48,6 +48,15 @@ class OpenAIServing:
             raise OpenAIServingError(f"The model `{requested}` does not exist.", HTTPStatus.NOT_FOUND, "model")
         return requested
 
+    def base_model_name(self, requested: str | None) -> str:
+        """model_name for the routes LoRA adapters do not apply to (embeddings, scores): an adapter's name is a 400
+        rather than a result silently computed by the base model."""
+        if self.lora_request(requested) is not None:
+            raise OpenAIServingError(f"`{requested}` is a LoRA adapter, and adapters apply to generation only; ask "
+                                     f"the base model `{self.served_model_names[0]}` for embeddings and scores.",
+                                     param="model")
+        return self.model_name(requested)
+
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter served as `model`, if it names one."""
         loras = self.engine.frontend.input_processor.loras

@@ -73,7 +73,7 @@ class OpenAIServingScore(PoolingServing):
         self.no_yes_ids = (vocab.get("no"), vocab.get("yes"))
 
     async def create_score(self, request: ScoreRequest) -> ScoreResponse:
-        model = self.model_name(request.model)
+        model = self.base_model_name(request.model)
         pairs = score_pairs(request.text_1, request.text_2)
         request_id = f"score-{uuid.uuid4().hex}"
         scores, num_tokens = await self._score(pairs, request_id, request.priority, "text_2")
@@ -82,7 +82,7 @@ class OpenAIServingScore(PoolingServing):
                              usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
 
     async def create_rerank(self, request: RerankRequest) -> RerankResponse:
-        model = self.model_name(request.model)
+        model = self.base_model_name(request.model)
         if not request.documents:
             raise OpenAIServingError("documents must not be empty.", param="documents")
         request_id = f"rerank-{uuid.uuid4().hex}"

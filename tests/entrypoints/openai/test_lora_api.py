@@ -73,6 +73,16 @@ def test_adapters_by_model_name(lora_server, lora_client, model_dir, adapters):
     assert complete(lora_client, "one") == expected_one
 
 
+def test_pooling_routes_refuse_an_adapter_name(lora_server, lora_client):
+    """Adapters apply to generation only: embeddings and scores for an adapter's name are a 400, not the base
+    model's vectors under the adapter's name."""
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter") as error:
+        lora_client.embeddings.create(model="one", input="paged attention")
+    assert error.value.body["param"] == "model"
+    response = httpx.post(f"{lora_server.url}/score", json={"model": "one", "text_1": "a", "text_2": "b"}, timeout=30)
+    assert response.status_code == 400 and "LoRA adapter" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body, message", [
     ({"lora_name": "bad", "lora_path": "/nonexistent/adapter"}, "adapter_config.json is missing"),
     ({"lora_name": "tiny", "lora_path": "/nonexistent/adapter"}, "base model's name"),

@@ -37,8 +37,8 @@ def _registry(state: ServerState) -> LoRARegistry:
     return loras
 
 
-@router.post("/v1/load_lora_adapter", responses={**responses(HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED),
-                                                 **_SUCCESS})
+@router.post("/v1/load_lora_adapter", responses={**responses(HTTPStatus.BAD_REQUEST, HTTPStatus.UNAUTHORIZED,
+                                                           HTTPStatus.REQUEST_ENTITY_TOO_LARGE), **_SUCCESS})
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     loras = _registry(state)
     if body.lora_name in state.served_model_names:
@@ -53,7 +53,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerStateDep)
 
 
 @router.post("/v1/unload_lora_adapter", responses={**responses(HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND,
-                                                               HTTPStatus.UNAUTHORIZED), **_SUCCESS})
+                                                               HTTPStatus.UNAUTHORIZED,
+                                                               HTTPStatus.REQUEST_ENTITY_TOO_LARGE), **_SUCCESS})
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: ServerStateDep) -> PlainTextResponse:
     try:
         _registry(state).unload(body.lora_name)
