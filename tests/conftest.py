@@ -71,6 +71,12 @@ TINY_CONFIGS = {
 
 
 @pytest.fixture(scope="session")
+def tiny_configs() -> dict[str, dict]:
+    """TINY_CONFIGS, for test modules (a module's `from conftest import` may find another folder's conftest)."""
+    return TINY_CONFIGS
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model as a Hugging Face-style directory (converted from its GGUF, cached on disk)."""
     from pagellm.model_executor.model_loader.resolve import resolve_model_dir

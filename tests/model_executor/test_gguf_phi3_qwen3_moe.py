@@ -17,7 +17,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_CONFIGS
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 from test_gguf_loader import add_tiny_tokenizer, encode, tiny_vocab
@@ -35,12 +34,12 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "pagellm-cache"))
 
 
-def tiny_model(kind: str, qtype: QT, seed: int = 0):
-    """A float32 random model of TINY_CONFIGS[kind] over the tiny GGUF vocabulary: matrices N(0, 0.05), norm weights
-    1 + N(0, 0.1) (so a norm loaded in the wrong place shows)."""
+def tiny_model(tiny_config: dict, qtype: QT, seed: int = 0):
+    """A float32 random model of `tiny_config` (one of conftest's TINY_CONFIGS) over the tiny GGUF vocabulary:
+    matrices N(0, 0.05), norm weights 1 + N(0, 0.1) (so a norm loaded in the wrong place shows)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(TINY_CONFIGS[kind], vocab_size=len(tiny_vocab()), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    fields = dict(tiny_config, vocab_size=len(tiny_vocab()), bos_token_id=1, eos_token_id=2, pad_token_id=0,
                   max_position_embeddings=1024, rms_norm_eps=1e-6)
     moe = fields["model_type"] == "qwen3_moe"
     if moe:
@@ -129,14 +128,14 @@ def reference(path: pathlib.Path, config, dtype: torch.dtype = torch.float64):
 
 
 @pytest.mark.parametrize("kind", ["phi3", "phi3-longrope", "qwen3_moe"])
-def test_conversion_recovers_the_config_and_every_tensor(tmp_path, kind):
+def test_conversion_recovers_the_config_and_every_tensor(tmp_path, kind, tiny_configs):
     """The converted config is the original model's where it matters (partial rotary, LongRoPE factors and
     attention factor, experts, their size and renormalized top-k), and the F32 file's tensors come back exactly,
     each expert's matrices under their own names."""
     from transformers import AutoConfig
 
     path = tmp_path / f"tiny-{kind}.gguf"
-    model = tiny_model(kind, QT.F32)
+    model = tiny_model(tiny_configs[kind], QT.F32)
     written = write_gguf(path, model, QT.F32)
     out_dir = convert_gguf_to_hf_dir(path)
     config, original = AutoConfig.from_pretrained(str(out_dir)), model.config
@@ -184,9 +183,9 @@ def test_conversion_recovers_the_config_and_every_tensor(tmp_path, kind):
 @pytest.mark.parametrize("kind, qtype", [("phi3", QT.F32), ("phi3", QT.Q8_0), ("phi3", QT.Q4_K),
                                          ("phi3-longrope", QT.Q8_0), ("qwen3_moe", QT.F32), ("qwen3_moe", QT.Q8_0),
                                          ("qwen3_moe", QT.Q4_K)], ids=lambda v: getattr(v, "name", v))
-def test_file_runs_packed_and_matches_transformers(tmp_path, kind, qtype):
+def test_file_runs_packed_and_matches_transformers(tmp_path, kind, qtype, tiny_configs):
     path = tmp_path / f"tiny-{kind}-{qtype.name}.gguf"
-    model = tiny_model(kind, qtype)
+    model = tiny_model(tiny_configs[kind], qtype)
     written = write_gguf(path, model, qtype)
     reference_model = reference(path, model.config)
     llm = LLM(model=str(path), max_model_len=128, kv_cache_memory_bytes=4 << 20)
