@@ -46,6 +46,9 @@ from pagellm.benchmarks.machine import (
 LLAMA_CPP_KV_BYTES = 2  # llama.cpp's default KV cache type, F16 (the peer does not change it)
 
 BACKENDS = ("pagellm", "hf", "llama.cpp", "llama.cpp-f32")
+# First-token shifts of the engine-step runs, counted across calls: a second call on the same engine (the base model
+# again after a LoRA run) must not find its prompts in the prefix cache. Below latency_through.GENERATE_SHIFTS.
+_STEP_RUNS = itertools.count(1)
 
 
 @dataclass
@@ -96,7 +99,7 @@ def bench_pagellm(llm, prompts: list[list[int]], output_len: int, repeats: int, 
 
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
-    runs = itertools.count(1)
+    runs = _STEP_RUNS
 
     def run(n: int) -> tuple[float, float, int]:
         """Generate n tokens per prompt: (seconds until every prompt has its first token, seconds of the steps
