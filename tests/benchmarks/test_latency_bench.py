@@ -29,7 +29,7 @@ def test_latency_against_transformers_with_step_split(tiny_model_factory):
     # A 16-token step budget chunks the batch of 3 prompts of 12 over three steps, two of them mixed with decodes:
     # decode is timed on the decode-only steps after them.
     out = cli("latency", "--model", str(tiny_model_factory("llama")), "--backends", "pagellm,hf", "--batch-size",
-              "1,3", "--input-len", "12", "--output-len", "16", "--repeats", "1", "--step-split",
+              "1,3", "--input-len", "12", "--output-len", "32", "--repeats", "2", "--step-split",
               "--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "16", "--kv-cache-dtype", "float16")
     assert "pagellm step split, batch 3" in out and "forward" in out and "sample" in out
     assert any(line.startswith("CPU: ") and "; C kernels: " in line for line in out.splitlines())  # where it ran
