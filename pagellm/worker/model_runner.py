@@ -155,9 +155,11 @@ class ModelRunner:
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def prepare_inputs(self, batch: list[BatchedRequest]) -> ModelInputs:
-        # Decodes (one query token) first: they share one batched attention call.
-        decodes = [r for r in batch if r.num_tokens == 1]
-        prefills = [r for r in batch if r.num_tokens != 1]
+        # Decodes first: they share one batched attention call. A decode's query is its last token and any
+        # speculative drafts after it; each query token is a decode row of its own (its position, its length), so a
+        # verify step runs through the same batched attention and the one-call CPU decode step as plain decodes.
+        decodes = [r for r in batch if r.num_tokens == 1 + r.num_spec_tokens]
+        prefills = [r for r in batch if r.num_tokens != 1 + r.num_spec_tokens]
         ordered = decodes + prefills
         bs = self.block_size
 
@@ -192,9 +194,10 @@ class ModelRunner:
         staged = StagedCopy()
         ids, pos, slots, logits_rows = (staged.add(a) for a in (input_ids, positions, slot_mapping, logits_indices))
         n = len(decodes)
+        rows = int(query_lens[:n].sum())  # decode rows: one per query token
         if decodes:
-            tables = staged.add(block_table[:n, :max(len(r.block_ids) for r in decodes)])
-            lens = staged.add(positions[:n] + 1)
+            tables = staged.add(block_table[req_index[:rows], :max(len(r.block_ids) for r in decodes)])
+            lens = staged.add(positions[:rows] + 1)
         # The backend stages what its prefill reads (one table per chunk, or Triton's one-launch PrefillBatch).
         backend = self.attn_backend
         assert backend is not None, "load_model() picks the attention backend"
@@ -207,7 +210,7 @@ class ModelRunner:
 
         if taken:
             t[ids][t[destinations]] = last_tokens[t[sources]]
-        meta = backend.build_metadata(t[slots], n, t[tables] if decodes else None, t[lens] if decodes else None,
+        meta = backend.build_metadata(t[slots], rows, t[tables] if decodes else None, t[lens] if decodes else None,
                                       layout, [t[h] for h in prefill])
         prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
                            if r.sampling_params.prompt_logprobs is not None
