@@ -13,10 +13,14 @@ The copies are only listed here (`take_transfers`); the workers make them before
 blocks a step's copies read or write are held until the step has run (`finish_step`), so no later decision in the
 same step can reuse them.
 
-Sliding window (`sliding_window`, when every layer attends within the same window W, as Mistral's do): a query at
-position q reads keys q - W < k <= q, so once a request has computed past a block's window the block is freed and
-its table entry becomes `NULL_BLOCK` (block id 0 for the workers, read only under the kernels' window mask; the
-entries stay positional). The freed blocks stay cached for prefix hits until evicted.
+KV cache groups (see kv_cache_groups.py): a request holds one block table per group, all over the one pool and all
+positional (every table has an entry per block of the request's tokens). A full-attention group keeps every block.
+A sliding group (window W) frees a block once the request has computed past its window (a query at position q
+reads keys q - W < k <= q): its entry becomes `NULL_BLOCK` (block id 0 for the workers, read only under the
+kernels' window mask), and the freed block stays cached for prefix hits until evicted. A block's prefix-cache key
+is its hash and its group (`group_key`), so groups never share K/V. A prefix hit is the longest length every group
+has: the full groups need every block, a sliding group only the blocks the next query's window reads. `req_to_blocks`
+and `req_to_host_blocks` are the first group's tables (a full-attention group when the model has one).
 """
 from __future__ import annotations
 
@@ -25,24 +29,35 @@ from dataclasses import dataclass, field
 
 from pagellm.core.kv.block_hash import extend_block_hashes
 from pagellm.core.kv.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.kv.kv_cache_groups import blocks_needed, cdiv
 from pagellm.core.kv.sliding_window import NULL_BLOCK, live, num_skipped_blocks, window_hit
 from pagellm.core.request import Request
 
+__all__ = ["ComputedBlocks", "KVCacheManager", "PrefixCacheStats", "Transfers", "cdiv", "group_key"]
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of `group` (the first group's is the hash itself)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
 
 @dataclass(slots=True)
 class ComputedBlocks:
-    """A request's prefix found in the cache: blocks on the device, then blocks only the host tier still has."""
+    """A request's prefix found in the cache: blocks on the device, then blocks only the host tier still has. These
+    are the first group's; `others` holds the other groups' hits, of the same length."""
 
     device: list[KVCacheBlock] = field(default_factory=list)
     host: list[KVCacheBlock] = field(default_factory=list)
+    others: list[ComputedBlocks] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
         return len(self.device) + len(self.host)
+
+    def group(self, index: int) -> ComputedBlocks:
+        if index == 0:
+            return self
+        return self.others[index - 1] if self.others else ComputedBlocks()
 
 
 @dataclass(slots=True)
@@ -64,19 +79,34 @@ class PrefixCacheStats:
     preempted_hits: int = 0
 
 
+@dataclass(slots=True, eq=False)
+class GroupTables:
+    """One KV cache group's block tables: on the device, and swapped out to the host tier."""
+
+    window: int | None  # None: full attention
+    req_to_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
+    req_to_host_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
+    swapped_num_freed: dict[str, int] = field(default_factory=dict)  # a swapped-out table's NULL_BLOCK entries
+    num_cached_blocks: dict[str, int] = field(default_factory=dict)  # how many of a table's blocks are indexed
+    num_window_freed_blocks: int = 0  # cumulative: blocks freed because they fell out of the window
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0, sliding_window: int | None = None) -> None:
+                 num_host_blocks: int = 0, sliding_window: int | None = None,
+                 group_windows: list[int | None] | None = None) -> None:
+        """`group_windows`: each KV cache group's sliding window (None: full attention); by default one group of
+        `sliding_window`."""
         self.block_size = block_size
-        self.sliding_window = sliding_window  # every layer's window (None: some layer attends to all tokens)
+        self.groups = [GroupTables(window) for window in (group_windows or [sliding_window])]
+        self.group_windows = [group.window for group in self.groups]
+        # The window every layer shares (None: some layer attends to all tokens, or the groups differ).
+        self.sliding_window = self.group_windows[0] if len(self.groups) == 1 else None
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, on_evict=self._save_to_host if num_host_blocks else None)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}  # requests swapped out to the host tier
-        self._swapped_num_freed: dict[str, int] = {}  # a swapped-out table's leading NULL_BLOCK entries
-        self.num_window_freed_blocks = 0  # cumulative: blocks freed because they fell out of the window
-        self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are indexed
+        self.req_to_blocks = self.groups[0].req_to_blocks
+        self.req_to_host_blocks = self.groups[0].req_to_host_blocks  # requests swapped out to the host tier
         self._transfers = Transfers()
         self._held_host_blocks: list[KVCacheBlock] = []  # read or written by this step's copies
         self._rewritten_tables: set[str] = set()  # tables with a block replaced in place (copy-on-write)
@@ -90,55 +120,85 @@ class KVCacheManager:
         return self.block_pool.num_blocks
 
     @property
+    def num_window_freed_blocks(self) -> int:
+        """Cumulative, every group: blocks freed because they fell out of a sliding window."""
+        return sum(group.num_window_freed_blocks for group in self.groups)
+
+    @property
     def num_logical_blocks(self) -> int:
         """Blocks the live block tables would hold if nothing were shared."""
-        return sum(len(live(blocks)) for blocks in self.req_to_blocks.values())
+        return sum(len(live(blocks)) for group in self.groups for blocks in group.req_to_blocks.values())
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        """Entries of one block table covering `num_tokens` tokens."""
         return cdiv(num_tokens, self.block_size)
 
-    def num_skipped_blocks(self, num_computed: int) -> int:
-        return num_skipped_blocks(num_computed, self.sliding_window, self.block_size)
-
     def num_blocks_needed(self, num_computed: int, num_new: int) -> int:
-        """Blocks a request holds while computing `num_new` tokens after `num_computed`: its window's, not all."""
-        return self.num_blocks_for_tokens(num_computed + num_new) - self.num_skipped_blocks(num_computed)
+        """Blocks a request holds while computing `num_new` tokens after `num_computed`, every group's: a sliding
+        group's window only, not all."""
+        return blocks_needed(self.group_windows, num_computed, num_new, self.block_size)
 
-    def _free_skipped_blocks(self, request_id: str, num_computed: int) -> None:
-        """Free the blocks that fell out of the window, keeping the table positional."""
-        blocks = self.req_to_blocks.get(request_id)
-        skip = min(self.num_skipped_blocks(num_computed), len(blocks or ()))
+    def _free_skipped_blocks(self, group: GroupTables, request_id: str, num_computed: int) -> None:
+        """Free the blocks that fell out of the group's window, keeping the table positional."""
+        blocks = group.req_to_blocks.get(request_id)
+        skip = min(num_skipped_blocks(num_computed, group.window, self.block_size), len(blocks or ()))
         if not blocks or skip == 0 or blocks[skip - 1] is NULL_BLOCK:
             return
         dropped = live(blocks[:skip])
         blocks[:skip] = [NULL_BLOCK] * skip
         self.block_pool.free(dropped)
-        self.num_window_freed_blocks += len(dropped)
+        group.num_window_freed_blocks += len(dropped)
         self._rewritten_tables.add(request_id)
 
     # ---- prefix cache ---------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest cached prefix of the request's tokens, in whole blocks, leaving at least its last token to
-        compute (its logits are needed). Changes nothing; `allocate_slots` takes the blocks."""
-        computed = ComputedBlocks()
+        """The longest cached prefix of the request's tokens, in whole blocks, that every group has, leaving at
+        least its last token to compute (its logits are needed). Changes nothing; `allocate_slots` takes the
+        blocks."""
         if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
-            return computed  # cached positions have no logits or hidden states to report
-        hashes = self._block_hashes(request)
-        for block_hash in hashes[:(request.num_tokens - 1) // self.block_size]:
-            block = None if computed.host else self.block_pool.lookup(block_hash)
+            return ComputedBlocks()  # cached positions have no logits or hidden states to report
+        hashes = self._block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        keys = [[group_key(h, g) for h in hashes] if g else hashes for g in range(len(self.groups))]
+        chains = [self._chain_hit(group_keys) for group_keys in keys]
+        # A sliding group may hit a length its chain does not reach (the window's blocks are cached, the head
+        # evicted), but not every shorter one: shrink to a length every group has.
+        length = len(hashes)
+        while True:
+            found = min(self._hit_length(g, keys[g], chains[g], length) for g in range(len(self.groups)))
+            if found == length:
+                break
+            length = found
+        hits = []
+        for g, chain in enumerate(chains):
+            if chain.num_blocks >= length:
+                device = chain.device[:length]
+                hits.append(ComputedBlocks(device, chain.host[:length - len(device)]))
+            else:
+                hits.append(ComputedBlocks(window_hit(self.block_pool, keys[g][:length], self.groups[g].window,
+                                                      self.block_size)))
+        hits[0].others = hits[1:]
+        return hits[0]
+
+    def _chain_hit(self, keys: list[bytes]) -> ComputedBlocks:
+        """The blocks of the longest prefix of `keys` cached on the device, then in the host tier."""
+        computed = ComputedBlocks()
+        for key in keys:
+            block = None if computed.host else self.block_pool.lookup(key)
             if block is not None:
                 computed.device.append(block)
                 continue
-            block = self.host_pool.lookup(block_hash) if self.host_pool is not None else None
+            block = self.host_pool.lookup(key) if self.host_pool is not None else None
             if block is None:
                 break
             computed.host.append(block)
-        if self.sliding_window is not None:
-            windowed = window_hit(self.block_pool, hashes[:(request.num_tokens - 1) // self.block_size],
-                                  self.sliding_window, self.block_size)
-            if len(windowed) > computed.num_blocks:
-                return ComputedBlocks(device=windowed)
         return computed
+
+    def _hit_length(self, g: int, keys: list[bytes], chain: ComputedBlocks, limit: int) -> int:
+        """The longest hit of group `g` at most `limit` blocks long."""
+        window = self.groups[g].window
+        if chain.num_blocks >= limit or window is None:
+            return min(chain.num_blocks, limit)
+        return max(chain.num_blocks, len(window_hit(self.block_pool, keys[:limit], window, self.block_size)))
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
@@ -149,16 +209,18 @@ class KVCacheManager:
         """Index the request's blocks whose K/V are now all computed (called after each step that ran it)."""
         if not self.enable_prefix_caching:
             return
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        hashes = self._block_hashes(request)
-        for index in range(start, num_full):
-            if blocks[index] is not NULL_BLOCK:
-                self.block_pool.cache(blocks[index], hashes[index])
-        self._num_cached_blocks[request.request_id] = num_full
+        request_id = request.request_id
+        for g, group in enumerate(self.groups):
+            blocks = group.req_to_blocks.get(request_id, [])
+            num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+            start = group.num_cached_blocks.get(request_id, 0)
+            if num_full <= start:
+                continue
+            hashes = self._block_hashes(request)
+            for index in range(start, num_full):
+                if blocks[index] is not NULL_BLOCK:
+                    self.block_pool.cache(blocks[index], group_key(hashes[index], g))
+            group.num_cached_blocks[request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (after a failed step, whose copies may not have happened)."""
@@ -169,40 +231,61 @@ class KVCacheManager:
 
     # ---- allocation -----------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
-        """Make room for `num_new_tokens` more K/V entries after the request's computed tokens, taking first the
-        cached prefix blocks `computed` (for a request with no blocks yet) or swapping its blocks back in (a
-        request preempted by swapping); `request.num_computed_tokens` then moves past the blocks taken.
+        """Make room for `num_new_tokens` more K/V entries after the request's computed tokens, in every group,
+        taking first the cached prefix blocks `computed` (for a request with no blocks yet) or swapping its blocks
+        back in (a request preempted by swapping); `request.num_computed_tokens` then moves past the blocks taken.
 
         The first slot written may lie in a partly filled block another sequence also holds (after a fork): that
         block is copied on write, so the other holders keep their K/V. Returns False, changing nothing, when the
-        pool is too small right now (the caller may preempt).
+        pool is too small right now for every group (the caller may preempt).
         """
         request_id = request.request_id
         computed = computed or ComputedBlocks()
-        self._free_skipped_blocks(request_id, request.num_computed_tokens)
-        blocks = self.req_to_blocks.get(request_id, [])
-        swapped = self.req_to_host_blocks.get(request_id, [])
-        num_swapped_freed = self._swapped_num_freed.get(request_id, 0)
+        for group in self.groups:
+            self._free_skipped_blocks(group, request_id, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + computed.num_blocks * self.block_size
         first = num_computed // self.block_size
-        copy_on_write = (num_new_tokens > 0 and first < len(blocks) and blocks[first] is not NULL_BLOCK
-                         and blocks[first].ref_cnt > 1)
-        num_held = len(blocks) + computed.num_blocks + len(swapped) + num_swapped_freed
-        num_fresh = max(self.num_blocks_for_tokens(num_computed + num_new_tokens) - num_held, 0)
-        # Cached hits nobody holds are counted as free, but taking them makes them unavailable.
-        free = self.block_pool.num_free_blocks - sum(block.ref_cnt == 0 for block in live(computed.device))
-        if num_fresh + copy_on_write + len(computed.host) + len(swapped) > free:
+        plans, needed, free = [], 0, self.block_pool.num_free_blocks
+        for g, group in enumerate(self.groups):
+            hit = computed.group(g)
+            blocks = group.req_to_blocks.get(request_id, [])
+            swapped = group.req_to_host_blocks.get(request_id, [])
+            copy_on_write = (num_new_tokens > 0 and first < len(blocks) and blocks[first] is not NULL_BLOCK
+                             and blocks[first].ref_cnt > 1)
+            num_held = len(blocks) + hit.num_blocks + len(swapped) + group.swapped_num_freed.get(request_id, 0)
+            num_fresh = max(self.num_blocks_for_tokens(num_computed + num_new_tokens) - num_held, 0)
+            needed += num_fresh + copy_on_write + len(hit.host) + len(swapped)
+            # Cached hits nobody holds are counted as free, but taking them makes them unavailable.
+            free -= sum(block.ref_cnt == 0 for block in live(hit.device))
+            plans.append((hit, copy_on_write, num_fresh))
+        if needed > free:
             return False
 
         if computed.num_blocks:
             self._record_hit(request, computed.num_blocks * self.block_size)
-        self.block_pool.touch(live(computed.device))
-        blocks = blocks + computed.device
-        if computed.host:
-            blocks += self._load_from_host(computed.host, release=False)
-        if swapped or num_swapped_freed:
-            blocks += [NULL_BLOCK] * self._swapped_num_freed.pop(request_id, 0)
-            blocks += self._load_from_host(self.req_to_host_blocks.pop(request_id), release=True)
+        swapped_in = False
+        for group, (hit, copy_on_write, num_fresh) in zip(self.groups, plans):
+            swapped_in |= self._grow(group, request_id, hit, copy_on_write, num_fresh, first)
+        if computed.num_blocks or swapped_in:
+            # Blocks that arrived whole are indexed now: their K/V are in place before the forward pass reads them.
+            request.num_computed_tokens = num_computed
+            self.cache_full_blocks(request)
+            for group in self.groups:
+                self._free_skipped_blocks(group, request_id, num_computed)
+        return True
+
+    def _grow(self, group: GroupTables, request_id: str, hit: ComputedBlocks, copy_on_write: bool, num_fresh: int,
+              first: int) -> bool:
+        """One group's part of `allocate_slots`, once the pool is known to have room. True when it swapped in."""
+        blocks = group.req_to_blocks.get(request_id, [])
+        self.block_pool.touch(live(hit.device))
+        blocks = blocks + hit.device
+        if hit.host:
+            blocks += self._load_from_host(hit.host, release=False)
+        swapped = request_id in group.req_to_host_blocks
+        if swapped:
+            blocks += [NULL_BLOCK] * group.swapped_num_freed.pop(request_id, 0)
+            blocks += self._load_from_host(group.req_to_host_blocks.pop(request_id), release=True)
         if copy_on_write:
             shared = blocks[first]
             (private,) = self.block_pool.allocate(1)
@@ -210,13 +293,8 @@ class KVCacheManager:
             blocks[first] = private
             self._transfers.copies.append((shared.block_id, private.block_id))
             self._rewritten_tables.add(request_id)
-        self.req_to_blocks[request_id] = blocks + self.block_pool.allocate(num_fresh)
-        if computed.num_blocks or swapped:
-            # Blocks that arrived whole are indexed now: their K/V are in place before the forward pass reads them.
-            request.num_computed_tokens = num_computed
-            self.cache_full_blocks(request)
-            self._free_skipped_blocks(request_id, num_computed)
-        return True
+        group.req_to_blocks[request_id] = blocks + self.block_pool.allocate(num_fresh)
+        return swapped
 
     def _record_hit(self, request: Request, num_tokens: int) -> None:
         if request.num_preemptions:
@@ -258,34 +336,37 @@ class KVCacheManager:
         self.num_swapped_out_blocks += 1
 
     def can_swap_out(self, request: Request) -> bool:
-        blocks = live(self.req_to_blocks.get(request.request_id, []))
-        return self.host_pool is not None and 0 < len(blocks) <= self.host_pool.num_free_blocks
+        num = sum(len(live(group.req_to_blocks.get(request.request_id, []))) for group in self.groups)
+        return self.host_pool is not None and 0 < num <= self.host_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> None:
-        """Preemption by swapping: copy the request's blocks to host blocks it holds until it resumes, and free its
-        device blocks (cached ones stay cached). Entries freed by the window stay freed."""
-        table = self.req_to_blocks.pop(request.request_id)
-        blocks = live(table)
-        if len(blocks) < len(table):
-            self._swapped_num_freed[request.request_id] = len(table) - len(blocks)
-        host_blocks = self.host_pool.allocate(len(blocks))
-        self._transfers.swap_out += [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
-        self.host_pool.touch(host_blocks)  # held by the step's copy, and by the request
-        self._held_host_blocks += host_blocks
-        self.req_to_host_blocks[request.request_id] = host_blocks
-        self.num_swapped_out_blocks += len(blocks)
-        self._num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free(blocks)
+        """Preemption by swapping: copy the request's blocks (every group's) to host blocks it holds until it
+        resumes, and free its device blocks (cached ones stay cached). Entries freed by a window stay freed."""
+        request_id = request.request_id
+        for group in self.groups:
+            table = group.req_to_blocks.pop(request_id)
+            blocks = live(table)
+            if len(blocks) < len(table):
+                group.swapped_num_freed[request_id] = len(table) - len(blocks)
+            host_blocks = self.host_pool.allocate(len(blocks))
+            self._transfers.swap_out += [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
+            self.host_pool.touch(host_blocks)  # held by the step's copy, and by the request
+            self._held_host_blocks += host_blocks
+            group.req_to_host_blocks[request_id] = host_blocks
+            self.num_swapped_out_blocks += len(blocks)
+            group.num_cached_blocks.pop(request_id, None)
+            self.block_pool.free(blocks)
 
     def is_swapped_out(self, request: Request) -> bool:
         return request.request_id in self.req_to_host_blocks
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give `child` the parent's block table, sharing every block (the child has the same tokens)."""
-        blocks = self.req_to_blocks.get(parent.request_id, [])
-        self.block_pool.touch(live(blocks))
-        self.req_to_blocks[child.request_id] = list(blocks)
-        self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
+        """Give `child` the parent's block tables, sharing every block (the child has the same tokens)."""
+        for group in self.groups:
+            blocks = group.req_to_blocks.get(parent.request_id, [])
+            self.block_pool.touch(live(blocks))
+            group.req_to_blocks[child.request_id] = list(blocks)
+            group.num_cached_blocks[child.request_id] = group.num_cached_blocks.get(parent.request_id, 0)
 
     def take_transfers(self) -> Transfers:
         transfers, self._transfers = self._transfers, Transfers()
@@ -297,52 +378,66 @@ class KVCacheManager:
             self.host_pool.free(self._held_host_blocks)
             self._held_host_blocks = []
 
-    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())[start:]]
+    def get_block_ids(self, request_id: str, start: int = 0, group: int = 0) -> list[int]:
+        """Block ids of one group's table (by default the first), from entry `start` on."""
+        return [block.block_id for block in self.groups[group].req_to_blocks.get(request_id, ())[start:]]
 
     def take_rewritten_table(self, request_id: str) -> bool:
-        """Whether a block of the request's table was replaced in place (copy-on-write) since the last call."""
+        """Whether a block of the request's tables was replaced in place (copy-on-write, or freed by a window)
+        since the last call."""
         if request_id in self._rewritten_tables:
             self._rewritten_tables.discard(request_id)
             return True
         return False
 
     def free(self, request: Request) -> None:
-        """Release everything the request holds, in either tier."""
-        self._num_cached_blocks.pop(request.request_id, None)
-        self._rewritten_tables.discard(request.request_id)
-        self._swapped_num_freed.pop(request.request_id, None)
-        blocks = live(self.req_to_blocks.pop(request.request_id, []))
-        if blocks:
-            self.block_pool.free(blocks)
-        host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
-        if host_blocks:
-            self.host_pool.free(host_blocks)
+        """Release everything the request holds, in either tier and every group."""
+        request_id = request.request_id
+        self._rewritten_tables.discard(request_id)
+        for group in self.groups:
+            group.num_cached_blocks.pop(request_id, None)
+            group.swapped_num_freed.pop(request_id, None)
+            blocks = live(group.req_to_blocks.pop(request_id, []))
+            if blocks:
+                self.block_pool.free(blocks)
+            host_blocks = group.req_to_host_blocks.pop(request_id, None)
+            if host_blocks:
+                self.host_pool.free(host_blocks)
 
     def token_efficiency(self, num_computed: dict[str, int]) -> float:
         """Tokens stored / capacity of the blocks requests hold, each physical block counted once. `num_computed`:
         request id -> its computed tokens. Only a table's last block can be partly filled (the ones before it are
         full), so this looks at one block per table, not at every block: it runs after every step."""
         waste: dict[int, int] = {}  # last block id -> its empty slots (a block shared by forks counted once)
-        for request_id, blocks in self.req_to_blocks.items():
-            if blocks and blocks[-1] is not NULL_BLOCK:
-                empty = max(len(blocks) * self.block_size - num_computed.get(request_id, 0), 0)
-                last = blocks[-1].block_id
-                waste[last] = min(waste.get(last, empty), empty)
+        for group in self.groups:
+            for request_id, blocks in group.req_to_blocks.items():
+                if blocks and blocks[-1] is not NULL_BLOCK:
+                    empty = max(len(blocks) * self.block_size - num_computed.get(request_id, 0), 0)
+                    last = blocks[-1].block_id
+                    waste[last] = min(waste.get(last, empty), empty)
         capacity = self.block_pool.num_used_blocks * self.block_size
         return 1.0 - sum(waste.values()) / capacity if capacity else 1.0
 
     def check_consistency(self, live_request_ids: set[str]) -> None:
-        """Raise RuntimeError unless only live requests hold blocks and every block's ref count equals the number of
-        holders, in both tiers (checked after a failed step, before the engine goes on)."""
-        stray = (set(self.req_to_blocks) | set(self.req_to_host_blocks)) - live_request_ids
-        if stray:
-            raise RuntimeError(f"Finished requests still hold KV blocks: {sorted(stray)[:10]}.")
-        self.block_pool.check_ref_counts(Counter(b.block_id for blocks in self.req_to_blocks.values()
-                                                 for b in live(blocks)))
-        if set(self._swapped_num_freed) - set(self.req_to_host_blocks):
-            raise RuntimeError("A request that is not swapped out keeps a swapped table's freed entries.")
+        """Raise RuntimeError unless only live requests hold blocks, every group holds the same requests with tables
+        of the same length, and every block's ref count equals the number of holders, in both tiers (checked after a
+        failed step, before the engine goes on)."""
+        for group in self.groups:
+            stray = (set(group.req_to_blocks) | set(group.req_to_host_blocks)) - live_request_ids
+            if stray:
+                raise RuntimeError(f"Finished requests still hold KV blocks: {sorted(stray)[:10]}.")
+            if set(group.swapped_num_freed) - set(group.req_to_host_blocks):
+                raise RuntimeError("A request that is not swapped out keeps a swapped table's freed entries.")
+        first = self.groups[0]
+        for group in self.groups[1:]:
+            if ({rid: len(t) for rid, t in group.req_to_blocks.items()}
+                    != {rid: len(t) for rid, t in first.req_to_blocks.items()}
+                    or set(group.req_to_host_blocks) != set(first.req_to_host_blocks)):
+                raise RuntimeError("The KV cache groups' block tables disagree on the requests or their lengths.")
+        self.block_pool.check_ref_counts(Counter(b.block_id for group in self.groups
+                                                 for blocks in group.req_to_blocks.values() for b in live(blocks)))
         if self.host_pool is not None:
-            holders = Counter(b.block_id for blocks in self.req_to_host_blocks.values() for b in blocks)
+            holders = Counter(b.block_id for group in self.groups for blocks in group.req_to_host_blocks.values()
+                              for b in blocks)
             holders.update(b.block_id for b in self._held_host_blocks)
             self.host_pool.check_ref_counts(holders)

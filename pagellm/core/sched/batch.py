@@ -214,7 +214,7 @@ class BatchPlanner:
         the queue) until it does; a beam group alone always fits the pool (checked when it is added)."""
         queues, manager = self.queues, self.kv_cache_manager
         head = queues.waiting[0]
-        need = manager.num_blocks_for_tokens(head.num_tokens)
+        need = manager.num_blocks_needed(0, head.num_tokens)
         for victim in reversed(list(queues.running)):
             if (manager.block_pool.num_free_blocks >= need
                     and num_slots_in_use(queues.running) + num_sequences(head) <= self.config.max_num_seqs):
