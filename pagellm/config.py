@@ -203,6 +203,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Speculative decoding: the scheduler drafts and verifies tokens (see spec_decode/); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # A time per output token to hold: the scheduler caps each step's rows (up to max_num_seqs) and prompt tokens
+    # by an online model of the step's time (core/sched/step_limits.py); None: the static caps only.
+    target_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -218,6 +221,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
+        if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
+            raise ValueError(f"target_tpot_ms must be positive, got {self.target_tpot_ms}; fix --target-tpot-ms.")
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("Speculative decoding does not run with async scheduling yet; drop "
                              "--async-scheduling or --speculative-config.")

@@ -52,7 +52,7 @@ class EngineArgs:
     block_size: int = CacheConfig.block_size
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_seqs: int | str = SchedulerConfig.max_num_seqs  # "auto": up to the default, held by target_tpot_ms
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     served_model_name: str | None = None
@@ -73,6 +73,7 @@ class EngineArgs:
     # A batch per pipeline stage in flight. None: on for CUDA (each rank its own device), off on the CPU, where
     # the stages share the same cores and memory bandwidth and splitting batches measured slower.
     pipeline_overlap: bool | None = None
+    target_tpot_ms: float | None = SchedulerConfig.target_tpot_ms
     cpu_affinity: str | None = ParallelConfig.cpu_affinity  # "auto" or "0-3|4-7": each rank's cores
     # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/sched/async_scheduling.py).
     async_scheduling: bool = SchedulerConfig.async_scheduling
@@ -142,7 +143,7 @@ class EngineArgs:
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      swap_space_bytes=int(self.swap_space * (1 << 30)),
                                      cache_dtype=self.kv_cache_dtype),
-            scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+            scheduler_config=SchedulerConfig(max_num_seqs=self._max_num_seqs(),
                                              max_num_batched_tokens=self.max_num_batched_tokens,
                                              enable_chunked_prefill=self.enable_chunked_prefill,
                                              scheduling_policy=self.scheduling_policy,
@@ -157,6 +158,7 @@ class EngineArgs:
                 reasoning_parser=self.reasoning_parser),
             lora_config=self._lora_config(parallel_config),
         )
+                                             target_tpot_ms=self.target_tpot_ms,
 
     def _lora_config(self, parallel: ParallelConfig) -> LoRAConfig:
         config = LoRAConfig(enable_lora=self.enable_lora, lora_modules=tuple(self.lora_modules or ()),
@@ -240,8 +242,12 @@ class EngineArgs:
                             help="KV cache size, e.g. 2GiB or 512MB (default: a share of free RAM on CPU, "
                                  "--gpu-memory-utilization on CUDA)")
         parser.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization)
-        parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs,
-                            help="most sequences in one step")
+        parser.add_argument("--max-num-seqs", type=_int_or_auto, default=EngineArgs.max_num_seqs,
+                            help="most sequences in one step; auto: as many as --target-tpot-ms allows (up to "
+                                 f"{SchedulerConfig.max_num_seqs})")
+        parser.add_argument("--target-tpot-ms", type=float, default=EngineArgs.target_tpot_ms,
+                            help="time per output token to hold: each step's sequences and prompt tokens are capped "
+                                 "by an online model of the step's time (default: no target)")
         parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens,
                             help="token budget of one step")
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -381,3 +387,20 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 4GiB, 512MB or a number of bytes")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    def _max_num_seqs(self) -> int:
+        if self.max_num_seqs == "auto":
+            if self.target_tpot_ms is None:
+                raise ValueError("--max-num-seqs auto lets a latency target size the batch: give --target-tpot-ms "
+                                 "too (e.g. --target-tpot-ms 50), or a number of sequences.")
+            return SchedulerConfig.max_num_seqs
+        return int(self.max_num_seqs)
+
+
+
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of sequences or 'auto', got {text!r}") from None

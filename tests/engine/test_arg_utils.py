@@ -67,3 +67,13 @@ def test_auto_dtype_on_cuda_is_float16_where_the_gpu_has_no_bfloat16(monkeypatch
     assert resolve_dtype("auto", torch.device("cuda")) == expected
     assert resolve_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_max_num_seqs_auto_needs_a_latency_target(tiny_model_factory):
+    model = str(tiny_model_factory("llama"))
+    with pytest.raises(ValueError, match="--target-tpot-ms"):
+        EngineArgs(model=model, max_num_seqs="auto").create_engine_config()
+    scheduler = EngineArgs(model=model, max_num_seqs="auto", target_tpot_ms=50).create_engine_config().scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.target_tpot_ms) == (256, 50)
+    with pytest.raises(ValueError, match="target_tpot_ms must be positive"):
+        EngineArgs(model=model, target_tpot_ms=0).create_engine_config()

@@ -21,6 +21,7 @@ from pagellm.core.sched.async_scheduling import tokens_after_flight
 from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched.policy import SchedulingPolicy
 from pagellm.core.sched.queues import RequestQueues
+from pagellm.core.sched.step_limits import StepLimiter, StepLimits
 from pagellm.core.sched.worker_view import WorkerView
 from pagellm.spec_decode.eligibility import may_speculate
 from pagellm.spec_decode.ngram_proposer import NgramProposer
@@ -50,6 +51,7 @@ class BatchPlanner:
         self.kv_cache_manager = kv_cache_manager
         self.worker_view = worker_view
         self.policy = SchedulingPolicy(config)
+        self.limiter = StepLimiter(config, self.policy)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
         # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
@@ -63,16 +65,18 @@ class BatchPlanner:
         order = self.policy.admission_order()
         if order is not None:
             queues.sort_waiting(order)
-        self._preempt_for_priority(output)
+        limits = self._step_limits()
+        self._preempt_for_priority(output, limits)
         preempted_for_priority = len(output.preempted_req_ids)
 
-        token_budget = self._schedule_running(output, self.config.max_num_batched_tokens, limit)
+        token_budget = self._schedule_running(output, self.config.max_num_batched_tokens, limit, limits)
+        token_budget = min(token_budget, limits.prefill_tokens)
         # Admitting new work while running requests are short of blocks would only thrash the cache.
         if len(output.preempted_req_ids) == preempted_for_priority:
-            self._admit_waiting(output, token_budget, limit)
+            self._admit_waiting(output, token_budget, limit, limits)
         if not output.scheduled and queues.waiting and queues.running and not self.in_flight:
             self._make_room_for_waiting(output)
-            self._admit_waiting(output, token_budget, limit)
+            self._admit_waiting(output, token_budget, limit, limits)
         transfers = self.kv_cache_manager.take_transfers()
         output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
         output.blocks_to_copy = transfers.copies
@@ -84,6 +88,14 @@ class BatchPlanner:
 
     def land(self, output: SchedulerOutput) -> None:
         """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them (that
+    def _step_limits(self) -> StepLimits:
+        """This step's caps beyond the token budget (see step_limits.py), from the running requests with work."""
+        if not self.limiter.active:
+            return StepLimits(self.config.max_num_seqs)
+        ready = [(r, n) for r in self.queues.running
+                 if (n := self._num_next_tokens(r, self.in_flight.get(r.request_id)))]
+        return self.limiter.limits(ready, self.queues.waiting)
+
         one starts later in the sequence). `output` may be a copy (it travelled to a worker process and back)."""
         for scheduled in output.scheduled:
             flight = self.in_flight.get(scheduled.request_id)
@@ -107,9 +119,9 @@ class BatchPlanner:
             return None
         return tokens_after_flight(request, flight, self.max_model_len)
 
-    def _schedule_running(self, output: SchedulerOutput, token_budget: int, limit: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, token_budget: int, limit: int, limits: StepLimits) -> int:
         """Give the running requests their tokens, in order, preempting while the pool is short; returns the token
-        budget left."""
+        budget left. Deferred requests sit the step out; prompt chunks stay within `limits.prefill_tokens`."""
         running = self.queues.running
         index = 0
         while index < len(running) and token_budget > 0 and len(output.scheduled) < limit:
@@ -117,7 +129,9 @@ class BatchPlanner:
             flight = self.in_flight.get(request.request_id)
             # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
             num_new = self._num_next_tokens(request, flight)
-            if not num_new:
+            if num_new and num_new > 1:
+                num_new = min(num_new, limits.prefill_tokens)
+            if not num_new or request.request_id in limits.deferred:
                 index += 1
                 continue
             num_new = min(num_new, token_budget)
@@ -135,6 +149,8 @@ class BatchPlanner:
                 token_budget -= num_new
             index += 1
         return token_budget
+                if num_new > 1 + len(draft):
+                    limits.prefill_tokens -= num_new
 
     def _draft(self, request: Request, token_budget: int) -> list[int]:
         """Speculative decoding: the draft tokens a decoding request verifies this step, within the token budget,
@@ -166,7 +182,7 @@ class BatchPlanner:
         self.queues.preempt(victim, to_front=to_front)
         output.preempted_req_ids.append(victim.request_id)
 
-    def _preempt_for_priority(self, output: SchedulerOutput) -> None:
+    def _preempt_for_priority(self, output: SchedulerOutput, limits: StepLimits) -> None:
         """Priority scheduling: while the first waiting request does not fit (sequence slots or KV blocks for its
         first chunk), preempt the lowest-priority running request if it ranks strictly below it."""
         queues, manager, config = self.queues, self.kv_cache_manager, self.config
@@ -176,21 +192,21 @@ class BatchPlanner:
         first_chunk = min(head.num_tokens - head.num_computed_tokens, config.max_num_batched_tokens)
         need = manager.num_blocks_needed(head.num_computed_tokens, first_chunk)
         while candidates := self._preemptible(queues.running):
-            fits = (num_slots_in_use(queues.running) + num_sequences(head) <= config.max_num_seqs
+            fits = (limits.has_slots(num_slots_in_use(queues.running), num_sequences(head))
                     and manager.block_pool.num_free_blocks >= need)
             victim = self.policy.pick_victim(candidates)
             if fits or not self.policy.outranks(head, victim):
                 return
             self._preempt(victim, output, to_front=False)
 
-    def _admit_waiting(self, output: SchedulerOutput, token_budget: int, limit: int) -> None:
+    def _admit_waiting(self, output: SchedulerOutput, token_budget: int, limit: int, limits: StepLimits) -> None:
         queues, manager = self.queues, self.kv_cache_manager
         slots_in_use = num_slots_in_use(queues.running)
         while queues.waiting and token_budget > 0 and len(output.scheduled) < limit:
             request = queues.waiting[0]
             if request.request_id in output.preempted_req_ids:
                 break  # preempted this step to make room: it waits for the next one
-            if slots_in_use + num_sequences(request) > self.config.max_num_seqs:
+            if not limits.has_slots(slots_in_use, num_sequences(request)) or not limits.may_admit(request):
                 break
             swapped = manager.is_swapped_out(request)
             computed = manager.get_computed_blocks(request) if not swapped else None

@@ -40,6 +40,15 @@ class SchedulingPolicy:
                               else (1, remaining_tokens(r), r.arrival_time))
         return None
 
+    def running_order(self) -> Callable[[Request], tuple] | None:
+        """The sort key that ranks running requests for a step that cannot hold them all (see step_limits.py);
+        None under fcfs (admission order)."""
+        if self.name == "priority":
+            return lambda r: (r.priority, r.arrival_time)
+        if self.name == "short-first":
+            return lambda r: (remaining_tokens(r), r.arrival_time)
+        return None
+
     def pick_victim(self, candidates: list[Request]) -> Request:
         """The running request to preempt first among `candidates` (in admission order)."""
         if self.name == "priority":

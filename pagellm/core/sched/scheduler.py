@@ -222,6 +222,11 @@ class Scheduler:
             output.finished_req_ids, output.preempted_req_ids = [], []
         return output
 
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """The engine measured how long the step `output` took: the latency target's model of step time learns
+        from it (see step_limits.py; nothing happens without a target)."""
+        self.planner.limiter.observe(output, seconds)
+
     def can_schedule_ahead(self) -> bool:
         """Async scheduling: whether the next batch may be scheduled before the oldest in flight is collected."""
         return self.planner.can_schedule_ahead()

@@ -1,0 +1,116 @@
+"""Per-step limits beyond the token budget: which running sequences sit a step out, how many sequence slots and
+prompt tokens the step may hold. Two rules set them, and without either the limits are the static ones.
+
+- A latency target (`--target-tpot-ms`): an online model of the step's time (step_time.py) caps the rows of a step
+  so that its predicted time holds the target, and the prompt tokens that share a step with decodes to the time
+  left (at least PREFILL_RESERVE_TOKENS while work waits, budgeted in the cap, so queued requests keep starting).
+  The running sequences the policy ranks first run; the rest wait, keeping their KV blocks. Until the model has
+  seen enough steps the cap is the static `max_num_seqs`. At least one sequence always runs.
+- Background work (priority policy): when the live requests do not all share one priority, those of the lowest
+  (batch jobs, say) are background. While a request of higher priority waits, running background requests sit the
+  step out (their rows and prompt chunks yield the step to it); otherwise background rows, admissions included,
+  are at most half as many as the others' (at least one, so they never starve).
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.request import Request
+from pagellm.core.sched.output import SchedulerOutput
+from pagellm.core.sched.policy import SchedulingPolicy
+from pagellm.core.sched.step_time import StepShape, StepTimeModel
+
+PREFILL_RESERVE_TOKENS = 32
+
+
+@dataclass
+class StepLimits:
+    max_seqs: int  # sequence slots of running and newly admitted requests
+    deferred: set[str] = field(default_factory=set)  # running sequences that sit this step out
+    prefill_tokens: int = sys.maxsize  # prompt tokens the step may still take (the token budget aside)
+    background_priority: int | None = None  # requests of this priority are background (priority policy only)
+    foreground_rows: int = 0
+    background_rows: int = 0
+
+    def has_slots(self, slots_in_use: int, num_seqs: int) -> bool:
+        """Whether `num_seqs` more sequences fit; a request alone always does (n and beam_width were checked
+        against the static max_num_seqs when it was added), so a low cap never stalls the engine."""
+        return slots_in_use + num_seqs <= self.max_seqs or slots_in_use == 0
+
+    def may_admit(self, request: Request) -> bool:
+        """Whether the waiting `request` may join the step; counts it when it is background."""
+        if self.background_priority is None or request.priority < self.background_priority:
+            self.foreground_rows += 1
+            return True
+        if self.background_rows >= background_quota(self.foreground_rows):
+            return False
+        self.background_rows += 1
+        return True
+
+
+def background_quota(foreground_rows: int) -> int:
+    return max(1, foreground_rows // 2)
+
+
+class StepLimiter:
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy) -> None:
+        self.config = config
+        self.policy = policy
+        self.target_s = config.target_tpot_ms / 1e3 if config.target_tpot_ms is not None else None
+        self.model = StepTimeModel() if self.target_s is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self.model is not None or self.policy.name == "priority"
+
+    def observe(self, output: SchedulerOutput, seconds: float) -> None:
+        if self.model is not None:
+            self.model.observe(StepShape.of(output), seconds)
+
+    def limits(self, ready: list[tuple[Request, int]], waiting: Iterable[Request]) -> StepLimits:
+        """`ready`: the running requests with tokens to compute this step (before the token budget), in running
+        order; `waiting`: the waiting queue in admission order."""
+        waiting = list(waiting)
+        limits = StepLimits(self.config.max_num_seqs)
+        order = self.policy.running_order()
+        candidates = sorted(ready, key=lambda row: order(row[0])) if order is not None else list(ready)
+        if self.policy.name == "priority" and (ready or waiting):
+            candidates = self._background_share(limits, candidates, waiting)
+        if self.model is not None and self.model.ready and candidates:
+            candidates = self._latency_cap(limits, candidates, bool(waiting))
+        selected = {request.request_id for request, _ in candidates}
+        limits.deferred = {request.request_id for request, _ in ready if request.request_id not in selected}
+        return limits
+
+    def _background_share(self, limits: StepLimits, candidates: list[tuple[Request, int]],
+                          waiting: list[Request]) -> list[tuple[Request, int]]:
+        priorities = {r.priority for r in [*(request for request, _ in candidates), *waiting]}
+        if len(priorities) < 2:
+            return candidates
+        lowest = max(priorities)
+        foreground = [row for row in candidates if row[0].priority < lowest]
+        quota = 0 if any(r.priority < lowest for r in waiting) else background_quota(len(foreground))
+        background = [row for row in candidates if row[0].priority == lowest][:quota]
+        limits.background_priority = lowest
+        limits.foreground_rows, limits.background_rows = len(foreground), len(background)
+        kept = {row[0].request_id for row in [*foreground, *background]}
+        return [row for row in candidates if row[0].request_id in kept]
+
+    def _latency_cap(self, limits: StepLimits, candidates: list[tuple[Request, int]],
+                     work_waits: bool) -> list[tuple[Request, int]]:
+        assert self.model is not None and self.target_s is not None
+        contexts = [request.num_computed_tokens + num_new for request, num_new in candidates]
+        prefills = any(num_new > 1 for _, num_new in candidates)
+        reserve = PREFILL_RESERVE_TOKENS if work_waits or prefills else 0
+        cap = max(1, self.model.rows_within(self.target_s, contexts, reserve))
+        limits.max_seqs = min(limits.max_seqs, cap)
+        candidates = candidates[:cap]
+        decodes = [(request, num_new) for request, num_new in candidates if num_new == 1]
+        if decodes:
+            # One more row for the prompt chunk itself; its context is counted as its tokens.
+            shape = StepShape(len(decodes) + 1, sum(r.num_computed_tokens + 1 for r, _ in decodes), 0)
+            limits.prefill_tokens = max(reserve, self.model.max_extra_tokens(self.target_s, shape))
+        return candidates

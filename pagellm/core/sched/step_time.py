@@ -1,0 +1,94 @@
+"""An online model of a step's time from its shape, for `--target-tpot-ms`.
+
+    step seconds ~= a + b * rows + c * context + d * extra_tokens
+
+`rows`: sequences in the step; `context`: the positions they attend over (computed + new, summed over rows);
+`extra_tokens`: tokens beyond one per row (prompt chunks, draft tokens). The engine measures each step and hands
+the time down (`Scheduler.observe_step_time`); the coefficients are a non-negative least-squares fit over the recent
+steps (a step never gets cheaper with more work). Steps with and without extra tokens are kept apart, so a long run
+of decodes does not push the prefill cost out of the window.
+
+A fit from steps that all had the same number of rows cannot tell the fixed cost `a` from the per-row cost `b`;
+the non-negative fit then charges it all per row: larger steps are overestimated (a cap that grows errs small),
+smaller ones underestimated. The smaller steps such a cap asks for tell the two apart at the next fits.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from pagellm.core.sched.output import SchedulerOutput
+
+WINDOW = 128  # recent steps kept, per kind (with and without extra tokens)
+MIN_STEPS = 8  # steps observed before the model is trusted
+
+
+@dataclass(frozen=True)
+class StepShape:
+    rows: int
+    context: int
+    extra_tokens: int
+
+    @classmethod
+    def of(cls, output: SchedulerOutput) -> StepShape:
+        scheduled = output.scheduled
+        return cls(len(scheduled), sum(s.num_computed_tokens + s.num_tokens for s in scheduled),
+                   sum(s.num_tokens - 1 for s in scheduled))
+
+    def features(self) -> tuple[float, float, float, float]:
+        return 1.0, float(self.rows), float(self.context), float(self.extra_tokens)
+
+
+class StepTimeModel:
+    def __init__(self) -> None:
+        self._decode_steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
+        self._mixed_steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
+        self.coef: np.ndarray | None = None  # (a, b, c, d), seconds; None until MIN_STEPS steps were seen
+
+    @property
+    def ready(self) -> bool:
+        return self.coef is not None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape.rows == 0 or seconds <= 0:
+            return
+        (self._mixed_steps if shape.extra_tokens else self._decode_steps).append((shape, seconds))
+        if len(self._decode_steps) + len(self._mixed_steps) >= MIN_STEPS:
+            self.fit()  # ~0.1 ms: every step, so that a wrong first fit is corrected at once
+
+    def fit(self) -> None:
+        steps = [*self._decode_steps, *self._mixed_steps]
+        x = np.array([shape.features() for shape, _ in steps])
+        y = np.array([seconds for _, seconds in steps])
+        # The solver takes the rows column first (ahead of the constant, so that steps of one size charge their
+        # time per row), the large columns scaled to comparable sizes; the coefficients go back to (a, b, c, d).
+        order = [1, 0, 2, 3]
+        scale = np.array([1.0, 1.0, *np.maximum(x[:, 2:].max(axis=0), 1.0)])
+        coef, _ = nnls(x[:, order] / scale, y)
+        self.coef = (coef / scale)[np.argsort(order)]
+
+    def predict(self, shape: StepShape) -> float:
+        assert self.coef is not None
+        return float(np.dot(self.coef, shape.features()))
+
+    def rows_within(self, target_s: float, contexts: list[int], extra_tokens: int = 0) -> int:
+        """How many of these rows (their contexts, in order) fit a step predicted to take at most `target_s`, with
+        `extra_tokens` beside them (0 when not even one fits)."""
+        a, b, c, d = self.coef
+        room = target_s - a - d * extra_tokens
+        for rows, context in enumerate(contexts):
+            room -= b + c * context
+            if room < 0:
+                return rows
+        return len(contexts)
+
+    def max_extra_tokens(self, target_s: float, shape: StepShape) -> int:
+        """The most extra tokens (prompt chunk tokens) a step of this shape can add within `target_s`."""
+        d = self.coef[3]
+        room = target_s - self.predict(shape)
+        if d <= 0:
+            return 1 << 30 if room >= 0 else 0
+        return max(0, int(room // d))

@@ -1,0 +1,124 @@
+"""Per-step limits: the online step-time model (--target-tpot-ms), the batch cap it gives and its order, and the
+bounded share of background (lowest-priority) requests. Step times are fed from a known law, not measured."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scheduler_factories import TOKEN, make_request, make_scheduler
+
+from pagellm.core.sched.scheduler import Scheduler
+from pagellm.core.sched.step_time import MIN_STEPS, StepShape, StepTimeModel
+
+# The synthetic law: seconds = A + B * rows + C * context + D * extra tokens.
+A, B, C, D = 0.004, 0.0006, 2e-6, 0.0004
+
+
+def law(shape: StepShape) -> float:
+    return A + B * shape.rows + C * shape.context + D * shape.extra_tokens
+
+
+def run_step(sched: Scheduler, seconds=law):
+    """One step whose time follows `seconds(shape)`; returns its output."""
+    out = sched.schedule()
+    sampled = {s.request_id: [TOKEN] * s.num_samples for s in out.scheduled if s.needs_sample}
+    sched.observe_step_time(out, seconds(StepShape.of(out)))
+    sched.update_from_output(out, sampled)
+    sched.check_consistency()
+    return out
+
+
+def test_model_fits_a_linear_law():
+    rng = np.random.default_rng(0)
+    model = StepTimeModel()
+    for i in range(200):
+        rows = int(rng.integers(1, 64))
+        shape = StepShape(rows, rows * int(rng.integers(20, 400)), int(rng.integers(1, 512)) if i % 4 == 0 else 0)
+        model.observe(shape, law(shape))
+    np.testing.assert_allclose(model.coef, [A, B, C, D], rtol=1e-6, atol=1e-12)
+    # The cap it gives, against the law solved by hand: (T - A) / (B + C * context) rows.
+    assert model.rows_within(0.0505, [200] * 64) == int((0.0505 - A) / (B + C * 200)) == 46
+    assert model.rows_within(0.0505, [200] * 20) == 20
+    assert model.max_extra_tokens(0.0505, StepShape(10, 2000, 0)) == int((0.0505 - A - 10 * B - 2000 * C) / D)
+
+
+def test_steps_of_one_size_predict_that_size_exactly():
+    """All steps had 8 rows: the fixed cost cannot be told from the per-row cost, but the time of such a step is
+    predicted right, and larger steps are not predicted cheaper than they are."""
+    model = StepTimeModel()
+    for _ in range(16):
+        model.observe(StepShape(8, 800, 0), law(StepShape(8, 800, 0)))
+    assert model.predict(StepShape(8, 800, 0)) == pytest.approx(law(StepShape(8, 800, 0)))
+    assert model.predict(StepShape(16, 1600, 0)) >= law(StepShape(16, 1600, 0))
+
+
+def test_static_cap_until_the_model_has_data_then_the_target_holds():
+    target_ms = 1e3 * law(StepShape(3, 3 * 20, 0)) + 0.01  # three decode rows of ~20 positions fit, four do not
+    sched = make_scheduler(max_model_len=256, num_blocks=256, max_num_seqs=8, target_tpot_ms=target_ms)
+    for i in range(8):
+        sched.add_request(make_request(f"r{i}", prompt=8, max_tokens=40))
+    # No data yet: the static max_num_seqs, until MIN_STEPS steps were seen.
+    assert [len(run_step(sched).scheduled) for _ in range(MIN_STEPS)] == [8] * MIN_STEPS
+    # The first fit, from steps of one size, cannot tell the fixed cost from the per-row cost; the smaller steps
+    # it asks for tell them apart, and a step or two later every step holds the target.
+    shapes = []
+    while sched.has_unfinished_requests():
+        shapes.append(StepShape.of(run_step(sched)))
+    settled = shapes[2:]
+    assert len(settled) > 40 and all(law(shape) <= target_ms / 1e3 for shape in settled)
+    assert max(shape.rows for shape in settled) == 3
+    # Every block back in the pool.
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
+
+
+@pytest.mark.parametrize("policy", ["priority", "short-first", "fcfs"])
+def test_the_cap_runs_the_requests_the_policy_ranks_first(policy):
+    sched = make_scheduler(max_model_len=256, num_blocks=256, max_num_seqs=8, scheduling_policy=policy,
+                           target_tpot_ms=1e3 * law(StepShape(2, 2 * 40, 0)) + 0.01)
+    # Priority ranks r5 first (lowest value), short-first r0 (fewest tokens left), fcfs r0..r5 in arrival order.
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", prompt=8, max_tokens=20 + 4 * i,
+                                       priority=5 - i if policy == "priority" else 0, arrival_time=float(i)))
+    for _ in range(12):  # the model learns from the first steps
+        run_step(sched)
+    running = [s.request_id for s in run_step(sched).scheduled]
+    expected = {"priority": ["r5", "r4"], "short-first": ["r0", "r1"], "fcfs": ["r0", "r1"]}[policy]
+    assert sorted(running) == sorted(expected)
+
+
+def test_an_unreachable_target_still_runs_one_sequence_a_step():
+    sched = make_scheduler(max_model_len=256, num_blocks=256, max_num_seqs=8, target_tpot_ms=0.001)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", prompt=8, max_tokens=6, n=2 if i == 0 else 1))
+    steps = 0
+    while sched.has_unfinished_requests():
+        assert run_step(sched).scheduled
+        steps += 1
+        assert steps < 200
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
+
+
+BACKGROUND = 1 << 30
+
+
+def test_background_requests_yield_to_a_waiting_request_then_take_a_bounded_share():
+    sched = make_scheduler(scheduling_policy="priority", max_model_len=256, num_blocks=256, max_num_seqs=16,
+                           max_num_batched_tokens=256)
+    for i in range(8):
+        sched.add_request(make_request(f"bg{i}", prompt=16, max_tokens=60, priority=BACKGROUND))
+    out = run_step(sched)
+    assert len(out.scheduled) == 8  # alone, background work takes the whole step
+    sched.add_request(make_request("chat0", prompt=40, max_tokens=20))
+    out = run_step(sched)
+    # The waiting interactive request gets the step to itself: the running background rows sit it out, keeping
+    # their blocks.
+    assert [s.request_id for s in out.scheduled] == ["chat0"] and out.preempted_req_ids == []
+    sched.add_request(make_request("chat1", prompt=8, max_tokens=20))
+    run_step(sched)
+    for _ in range(10):
+        rows = [s.request_id for s in run_step(sched).scheduled]
+        foreground = [r for r in rows if r.startswith("chat")]
+        assert len(foreground) == 2 and len(rows) - len(foreground) == 1  # at most half of 2, at least 1
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
+
