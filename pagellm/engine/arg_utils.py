@@ -66,6 +66,7 @@ class EngineArgs:
     preemption_mode: str = SchedulerConfig.preemption_mode
     scheduling_policy: str = SchedulerConfig.scheduling_policy
     short_first_max_wait: float = SchedulerConfig.short_first_max_wait  # seconds
+    target_tpot_ms: float | None = SchedulerConfig.target_tpot_ms
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
@@ -73,7 +74,6 @@ class EngineArgs:
     # A batch per pipeline stage in flight. None: on for CUDA (each rank its own device), off on the CPU, where
     # the stages share the same cores and memory bandwidth and splitting batches measured slower.
     pipeline_overlap: bool | None = None
-    target_tpot_ms: float | None = SchedulerConfig.target_tpot_ms
     cpu_affinity: str | None = ParallelConfig.cpu_affinity  # "auto" or "0-3|4-7": each rank's cores
     # Schedule and submit batch N+1 while batch N runs (one rank in this process; see core/sched/async_scheduling.py).
     async_scheduling: bool = SchedulerConfig.async_scheduling
@@ -149,6 +149,7 @@ class EngineArgs:
                                              scheduling_policy=self.scheduling_policy,
                                              preemption_mode=self.preemption_mode,
                                              short_first_max_wait=self.short_first_max_wait,
+                                             target_tpot_ms=self.target_tpot_ms,
                                              async_scheduling=self.async_scheduling,
                                              speculative_config=self._speculative_config()),
             device_config=DeviceConfig(device=device),
@@ -158,7 +159,6 @@ class EngineArgs:
                 reasoning_parser=self.reasoning_parser),
             lora_config=self._lora_config(parallel_config),
         )
-                                             target_tpot_ms=self.target_tpot_ms,
 
     def _lora_config(self, parallel: ParallelConfig) -> LoRAConfig:
         config = LoRAConfig(enable_lora=self.enable_lora, lora_modules=tuple(self.lora_modules or ()),
@@ -342,6 +342,14 @@ class EngineArgs:
                             help="the highest LoRA rank an adapter may have")
         return parser
 
+    def _max_num_seqs(self) -> int:
+        if self.max_num_seqs == "auto":
+            if self.target_tpot_ms is None:
+                raise ValueError("--max-num-seqs auto lets a latency target size the batch: give --target-tpot-ms "
+                                 "too (e.g. --target-tpot-ms 50), or a number of sequences.")
+            return SchedulerConfig.max_num_seqs
+        return int(self.max_num_seqs)
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
@@ -387,14 +395,6 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 4GiB, 512MB or a number of bytes")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    def _max_num_seqs(self) -> int:
-        if self.max_num_seqs == "auto":
-            if self.target_tpot_ms is None:
-                raise ValueError("--max-num-seqs auto lets a latency target size the batch: give --target-tpot-ms "
-                                 "too (e.g. --target-tpot-ms 50), or a number of sequences.")
-            return SchedulerConfig.max_num_seqs
-        return int(self.max_num_seqs)
-
 
 
 def _int_or_auto(text: str) -> int | str:

@@ -71,9 +71,9 @@ class EngineCore:
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
-        self.async_scheduling = config.scheduler_config.async_scheduling
         # Since when the oldest batch in flight has had the workers: its scheduling, or the previous collection.
         self._step_clock = 0.0
+        self.async_scheduling = config.scheduler_config.async_scheduling
         self.num_stages = self.executor.max_concurrent_batches
         # Async scheduling keeps the next batch queued behind the running one (see core/sched/async_scheduling.py);
         # it needs the in-process executor, so it never meets a pipeline.
@@ -173,9 +173,9 @@ class EngineCore:
     # ---- the parts of a step --------------------------------------------------------------------------------
     def _schedule(self, max_scheduled: int | None, start: float) -> SchedulerOutput:
         output = self.scheduler.schedule(max_scheduled)
-        # Before submitting: an in-process executor runs the whole step inside submit_model, and the worker times
         if not self._in_flight:
             self._step_clock = start
+        # Before submitting: an in-process executor runs the whole step inside submit_model, and the worker times
         # that itself (prepare_inputs, forward, sample).
         self.step_timings.add({"schedule": time.perf_counter() - start})
         return output
@@ -211,10 +211,10 @@ class EngineCore:
             return EngineCoreOutputs(failed=self.scheduler.take_failed_groups())
         self._consecutive_failed_steps = 0
         collected = time.perf_counter()
-        updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
         # The scheduler's latency target learns the step time (collection to collection while batches queue).
         self.scheduler.observe_step_time(output, collected - self._step_clock)
         self._step_clock = collected
+        updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
                                                        result.prompt_logprobs, result.failed, result.pooler_output)
         self._sample_late_batch()
         outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],

@@ -86,8 +86,6 @@ class BatchPlanner:
             if s.needs_sample and queues.requests[s.request_id].structured_output_request is not None]
         self.in_flight.update((scheduled.request_id, scheduled) for scheduled in output.scheduled)
 
-    def land(self, output: SchedulerOutput) -> None:
-        """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them (that
     def _step_limits(self) -> StepLimits:
         """This step's caps beyond the token budget (see step_limits.py), from the running requests with work."""
         if not self.limiter.active:
@@ -96,6 +94,8 @@ class BatchPlanner:
                  if (n := self._num_next_tokens(r, self.in_flight.get(r.request_id)))]
         return self.limiter.limits(ready, self.queues.waiting)
 
+    def land(self, output: SchedulerOutput) -> None:
+        """The batch `output` is back: its sequences are no longer in flight, unless a newer batch holds them (that
         one starts later in the sequence). `output` may be a copy (it travelled to a worker process and back)."""
         for scheduled in output.scheduled:
             flight = self.in_flight.get(scheduled.request_id)
@@ -147,10 +147,10 @@ class BatchPlanner:
                 scheduled.spec_token_ids = draft
                 output.scheduled.append(scheduled)
                 token_budget -= num_new
-            index += 1
-        return token_budget
                 if num_new > 1 + len(draft):
                     limits.prefill_tokens -= num_new
+            index += 1
+        return token_budget
 
     def _draft(self, request: Request, token_budget: int) -> list[int]:
         """Speculative decoding: the draft tokens a decoding request verifies this step, within the token budget,
