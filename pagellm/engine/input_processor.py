@@ -27,6 +27,8 @@ PromptType = str | dict[str, Any]
 
 # What a pooling request carries as its sampling parameters: it is never sampled (see Request.pooling_params).
 _PREFILL_ONLY = SamplingParams(max_tokens=1, detokenize=False)
+# How many of a prompt's last tokens are read to tell whether it closed reasoning (the tag and whitespace after it).
+_PROMPT_TAIL_TOKENS = 16
 
 
 class InputProcessor:
@@ -76,9 +78,13 @@ class InputProcessor:
         self._check_capacity(len(token_ids), params)
         # The scheduler also stops every request at max_model_len tokens in all.
         max_tokens = params.max_tokens or self.model_config.max_model_len
-        return Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
-                       eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text, priority=priority,
-                       cache_salt=cache_salt, bad_words_token_ids=bad_words_token_ids, lora_request=lora_request)
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+                          eos_token_ids=self.eos_token_ids, max_tokens=max_tokens, prompt=text, priority=priority,
+                          cache_salt=cache_salt, bad_words_token_ids=bad_words_token_ids, lora_request=lora_request)
+        if request.structured_output_request is not None and self._opens_reasoning(token_ids):
+            # The constraint holds the content after the reasoning (see structured_output/request.py).
+            request.structured_output_request.reasoning_end = self._reasoning_tags().end
+        return request
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int) -> Request:
         """A prefill-only request: its prompt is pooled (see model_executor/layers/pooler.py), nothing sampled."""
@@ -227,10 +233,20 @@ class InputProcessor:
         if self.reasoning_parser is None:
             raise InvalidRequestError("thinking_token_budget needs a reasoning parser to know where reasoning ends; "
                                       "start the engine with --reasoning-parser (reasoning_parser=...).")
+        return dataclasses.replace(params, reasoning_token_ids=self._reasoning_tags())
+
+    def _reasoning_tags(self) -> ReasoningTokenIds:
         tags = get_reasoning_parser(self.reasoning_parser)
-        token_ids = ReasoningTokenIds(*(tuple(self.tokenizer.encode(tag, add_special_tokens=False))
-                                        for tag in (tags.start_tag, tags.end_tag)))
-        return dataclasses.replace(params, reasoning_token_ids=token_ids)
+        return ReasoningTokenIds(*(tuple(self.tokenizer.encode(tag, add_special_tokens=False))
+                                   for tag in (tags.start_tag, tags.end_tag)))
+
+    def _opens_reasoning(self, prompt_token_ids: list[int]) -> bool:
+        """With a reasoning parser, whether the output starts in reasoning: unless the prompt's end closes it (the
+        parser's rule, on the text of its last tokens: a tag and the whitespace after it fit in them)."""
+        if self.reasoning_parser is None:
+            return False
+        tail = self.tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return not get_reasoning_parser(self.reasoning_parser).closes_reasoning(tail)
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile and probe a constraint (see structured_output/backend_guidance.py): a grammar too large for its

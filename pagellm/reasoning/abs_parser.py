@@ -39,8 +39,13 @@ class ReasoningParser:
 
     def __init__(self, prompt: str, chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        # Thinking turned off by the template: the prompt itself ends by closing reasoning.
-        self.prompt_closes_reasoning = prompt.rstrip().endswith(self.end_tag)
+        self.prompt_closes_reasoning = self.closes_reasoning(prompt)
+
+    @classmethod
+    def closes_reasoning(cls, prompt: str) -> bool:
+        """Whether the prompt itself ends by closing reasoning (thinking turned off by the template), so that the
+        whole output is content. The engine asks it too, of a prompt's last tokens, to start a grammar at once."""
+        return prompt.rstrip().endswith(cls.end_tag)
 
     def thinking_disabled(self) -> bool:
         """Whether the request's output is all content (subclasses add their template switches)."""

@@ -80,10 +80,12 @@ class BatchPlanner:
         transfers = self.kv_cache_manager.take_transfers()
         output.blocks_to_swap_out, output.blocks_to_swap_in = transfers.swap_out, transfers.swap_in
         output.blocks_to_copy = transfers.copies
-        # The sequences of this step that sample under a grammar.
+        # The sequences of this step that sample under a grammar (a blind one's grammar may start with the token in
+        # flight, which can close its reasoning).
         output.structured_output_request_ids = [
-            s.request_id for s in output.scheduled
-            if s.needs_sample and queues.requests[s.request_id].structured_output_request is not None]
+            s.request_id for s in output.scheduled if s.needs_sample
+            and (structured := queues.requests[s.request_id].structured_output_request) is not None
+            and (structured.active_grammar is not None or s.pending_token)]
         self.in_flight.update((scheduled.request_id, scheduled) for scheduled in output.scheduled)
 
     def _step_limits(self) -> StepLimits:

@@ -97,8 +97,8 @@ class ResultApplier:
                 sequence.logprobs.append(entry)
                 sequence.cumulative_logprob += entry[1][0]
             structured = sequence.structured_output_request
-            if structured is not None:
-                structured.grammar.accept_tokens([token])  # raises, failing the request, before the token is kept
+            if structured is not None:  # raises, failing the request, before the token is kept
+                structured.accept_token(sequence.output_token_ids, token)
             sequence.append_output_token(token)
             status = check_stop(sequence, self.max_model_len)
             if status is not None:
