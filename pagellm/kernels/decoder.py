@@ -1,10 +1,11 @@
 """The binding of `decoder_cpu.c`: the decoder layers of a Llama-family or Gemma 3 model in one C call per decode
 step, for float32 on the CPU.
 
-Owns the C library's ctypes signatures (`SIGNATURES`), the mirrors of its structs (`_Layer`, `_Decoder`) and
-`FusedDecoder`, which the model builds from its layers' kernels and weights (`LayerWeights`). The C side strings
-together the same kernels the PyTorch modules call, reached through function pointers into the other three
-libraries, so the two paths compute the same thing (tests compare them)."""
+Owns the C library's ctypes signatures (`SIGNATURES`), the mirrors of its structs (`_Layer`, `_Decoder`, `_LoRA`)
+and `FusedDecoder`, which the model builds from its layers' kernels and weights (`LayerWeights`) and into which LoRA
+adapters are set per slot (`set_lora`). The C side strings together the same kernels the PyTorch modules call,
+reached through function pointers into the other three libraries, so the two paths compute the same thing (tests
+compare them)."""
 from __future__ import annotations
 
 import ctypes
@@ -18,7 +19,7 @@ from pagellm.kernels import elementwise, linear, paged_attention
 from pagellm.kernels.build import Signature, isa_flags, load_library
 
 SOURCE = Path(__file__).with_name("decoder_cpu.c")
-_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11"]
 _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 
 # Every exported function of decoder_cpu.c, under the prototype it mirrors (tests/kernels/test_bindings.py checks
@@ -26,8 +27,8 @@ _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes
 SIGNATURES: dict[str, Signature] = {
     # int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, const int64_t *positions,
     #                             const int64_t *slots, const int64_t *block_tables, int64_t max_blocks,
-    #                             const int64_t *seq_lens, int nthreads);
-    "pagellm_decoder_forward": (_INT, [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _INT]),
+    #                             const int64_t *seq_lens, const int32_t *row_slot, int nthreads);
+    "pagellm_decoder_forward": (_INT, [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
 }
 
 
@@ -40,13 +41,27 @@ class _Layer(ctypes.Structure):
         ("sliding_window", _I64)]
 
 
+# Mirrors decoder_cpu.c's pagellm_decoder_lora: one adapter on one projection of one layer (rank 0: none).
+_LORA_MAX_PARTS = 3
+
+
+class _LoRA(ctypes.Structure):
+    _fields_ = [("a", _PTR), ("b", _PTR), ("rank", _I64), ("ldb", _I64), ("num_parts", _I64),
+                *((name, _I64 * _LORA_MAX_PARTS) for name in ("part_rank", "part_out", "part_size"))]
+
+
+# The projections an adapter may change, in decoder_cpu.c's order (LORA_QKV ...).
+LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
 # Mirrors decoder_cpu.c's pagellm_decoder; the function pointers are addresses in the other kernels' libraries.
 class _Decoder(ctypes.Structure):
     _fields_ = [*((name, _PTR) for name in ("matmul", "rms_norm", "act_and_mul", "rope", "write_cache",
                                              "attention")),
                 *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_blocks",
                                             "block_size", "num_layers", "kv_type")),
-                ("eps", _F32), ("scale", _F32), ("layers", ctypes.POINTER(_Layer))]
+                ("eps", _F32), ("scale", _F32), ("layers", ctypes.POINTER(_Layer)),
+                ("lora", ctypes.POINTER(_LoRA)), ("lora_slots", _I64), ("lora_max_rank", _I64)]
 
 # The MLP activations the C side has, by the name FusedDecoder takes.
 ACTIVATIONS = {"silu": "silu_and_mul_f32", "gelu_tanh": "gelu_tanh_and_mul_f32"}
@@ -100,6 +115,9 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     sliding_window: int | None = None
+    # The layer's qkv, o, gate_up and down modules (LORA_PROJECTIONS' order): what a LoRA adapter's weights are
+    # found under (models/fused_cpu_decoder.py); empty where adapters do not apply.
+    lora_targets: tuple[torch.nn.Module, ...] = ()
 
 
 class FusedDecoder:
@@ -125,6 +143,49 @@ class FusedDecoder:
             hidden, heads, kv_heads, head_dim, intermediate, 0, 0, len(layers), 0, eps, scale, self._layers)
         self._caches: list[torch.Tensor] | None = None
         self._run = loaded().pagellm_decoder_forward
+        self._lora = (_LoRA * 0)()
+        self._lora_weights: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}  # what the table points at
+
+    @property
+    def layers(self) -> list[LayerWeights]:
+        return self._weights
+
+    def set_lora_slots(self, count: int) -> None:
+        """Make room for `count` adapter slots (those beyond the old count start empty; the others keep theirs)."""
+        old, layers = self._decoder.lora_slots, len(self._weights)
+        if count == old:
+            return
+        table = (_LoRA * (layers * count * len(LORA_PROJECTIONS)))()
+        width = len(LORA_PROJECTIONS)
+        for layer in range(layers):
+            for slot in range(min(old, count)):
+                start = (layer * count + slot) * width
+                table[start:start + width] = self._lora[(layer * old + slot) * width:(layer * old + slot + 1) * width]
+        self._lora_weights = {key: w for key, w in self._lora_weights.items() if key[1] < count}
+        self._lora = table
+        self._decoder.lora, self._decoder.lora_slots = table, count
+
+    def set_lora(self, slot: int, layer: int, projection: int,
+                 weights: tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int, int], ...]] | None) -> None:
+        """The adapter in `slot` on `projection` (an index into LORA_PROJECTIONS) of `layer`, or None: it has none.
+        `weights` is (a, b_t, parts), float32 on the CPU: delta = (x a^T) b_t, where `a` [rank, in] stacks the A's
+        of the projection's parts and `b_t` [rank, out] is (scaling B)^T, block-diagonal: part i's `parts[i][0]`
+        rank rows (after the earlier parts') write its outputs [parts[i][1], parts[i][1] + parts[i][2]) only."""
+        entry = self._lora[(layer * self._decoder.lora_slots + slot) * len(LORA_PROJECTIONS) + projection]
+        key = (layer, slot, projection)
+        if weights is None:
+            ctypes.memset(ctypes.addressof(entry), 0, ctypes.sizeof(entry))
+            self._lora_weights.pop(key, None)
+            return
+        a, b_t, parts = weights
+        assert a.dtype == b_t.dtype == torch.float32 and a.is_contiguous() and b_t.is_contiguous()
+        assert len(parts) <= _LORA_MAX_PARTS and sum(p[0] for p in parts) == a.shape[0] == b_t.shape[0]
+        entry.a, entry.b, entry.rank, entry.ldb = a.data_ptr(), b_t.data_ptr(), a.shape[0], b_t.shape[1]
+        entry.num_parts = len(parts)
+        for i, (rank, out, size) in enumerate(parts):
+            entry.part_rank[i], entry.part_out[i], entry.part_size[i] = rank, out, size
+        self._lora_weights[key] = (a, b_t)
+        self._decoder.lora_max_rank = max(self._decoder.lora_max_rank, a.shape[0])
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> None:
         """Point the layers at this KV cache ([2, Hkv, num_blocks, block_size, D] per layer, any of
@@ -136,14 +197,17 @@ class FusedDecoder:
         self._caches = kv_caches
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """hidden [m, hidden] (updated in place and returned); one query token per sequence."""
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                row_slot: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [m, hidden] (updated in place and returned); one query token per sequence. row_slot: int32 [m],
+        each row's adapter slot (-1: the base model), or None when no row has an adapter."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
         hidden = hidden.contiguous()
         status = self._run(ctypes.addressof(self._decoder), hidden.data_ptr(), hidden.shape[0], positions.data_ptr(),
                            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                           seq_lens.data_ptr(), torch.get_num_threads())
+                           seq_lens.data_ptr(), None if row_slot is None else row_slot.data_ptr(),
+                           torch.get_num_threads())
         if status == -2:
             raise MemoryError("the fused decode step could not allocate its scratch buffers")
         if status != 0:

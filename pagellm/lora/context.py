@@ -2,8 +2,9 @@
 set_forward_context / punica wrapper). Each layer with adapter weights adds every row's own low-rank delta in
 float32 with two matmuls whatever the number of adapters in the batch: the step's adapters' A's side by side,
 y += ((x [A_1^T | A_2^T | ...]) * mask) [B_1; B_2; ...]^T, where the mask keeps, for each row, the rank columns of
-its own adapter (none for base-model rows); B carries the scaling. Thread-local: data-parallel replicas in one
-process run their own steps."""
+its own adapter (none for base-model rows); B carries the scaling. The fused CPU decode step reads the adapters'
+slots and each row's slot instead (models/fused_cpu_decoder.py). Thread-local: data-parallel replicas in one process
+run their own steps."""
 from __future__ import annotations
 
 import threading
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # weights.py imports the linear layers, which import this module
-    from pagellm.lora.weights import StackedLoRA
+    from pagellm.lora.weights import LoRAModel, StackedLoRA
 
 
 @dataclass
@@ -26,6 +27,10 @@ class LoRABatch:
     # Each token row's adapter (its position in the step's adapter set; -1: the base model), or None when every row
     # runs with the one adapter.
     row_adapter: torch.Tensor | None
+    # The worker's adapter slots (None: empty) and each token row's slot (-1: the base model; int32 on the CPU), for
+    # the fused CPU decode step, which holds the slots' weights until a slot's adapter changes.
+    slots: tuple[LoRAModel | None, ...] = ()
+    row_slot: torch.Tensor | None = None
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def add_deltas(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

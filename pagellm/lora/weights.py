@@ -1,6 +1,7 @@
 """An adapter laid out on the model's layers: one (A, B) pair per linear layer it changes, in float32. Fused layers
 (q|k|v, gate|up) stack their projections' A's along the rank and place each B in its own rows and rank columns
-(block diagonal), so one pair of matmuls serves the whole fused layer; `scaling` is folded into B."""
+(block diagonal), so one pair of matmuls serves the whole fused layer; `scaling` is folded into B. The blocks are
+named (`parts`), so the fused CPU decode step (kernels/decoder_cpu.c) reads only them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,15 +20,17 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 @dataclass(frozen=True)
 class LoRALayerWeights:
-    a_t: torch.Tensor  # A^T: [input features, rank total]
-    b_t: torch.Tensor  # (scaling B)^T: [rank total, output features]
+    a: torch.Tensor  # A: [rank total, input features], the parts' A's stacked
+    b_t: torch.Tensor  # (scaling B)^T: [rank total, output features], block-diagonal
+    # per part, in rank order: (its rank, its first output feature, its output features)
+    parts: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
 class StackedLoRA:
     """Several adapters' weights for one layer side by side: `owner[j]` is the adapter (its position in the set)
     that rank column j belongs to."""
-    a_t: torch.Tensor  # [input features, ranks of all]
+    a_t: torch.Tensor  # [input features, ranks of all] (a transposed view of the A's)
     b_t: torch.Tensor  # [ranks of all, output features]
     owner: torch.Tensor  # [ranks of all], int64
 
@@ -57,15 +60,16 @@ def build_lora_model(lora_int_id: int, adapter: PEFTAdapter, model: nn.Module, d
         sizes = getattr(layer, "output_sizes", [layer.output_size])
         a = torch.cat([shards[i][0] for i in sorted(shards)])
         b = torch.zeros(layer.output_size, a.shape[0])
-        col = 0
+        col, parts = 0, []
         for i in sorted(shards):
             part = shards[i][1]
             if part.shape[0] != sizes[i]:
                 raise ValueError(f"LoRA adapter {adapter.path}: {name} shard {i} has {sizes[i]} rows, the adapter's "
                                  f"B has {part.shape[0]}.")
             b[offsets[i]:offsets[i] + sizes[i], col:col + part.shape[1]] = part * adapter.scaling
+            parts.append((part.shape[1], offsets[i], sizes[i]))
             col += part.shape[1]
-        layers[layer] = LoRALayerWeights(a.T.contiguous().to(device), b.T.contiguous().to(device))
+        layers[layer] = LoRALayerWeights(a.contiguous().to(device), b.T.contiguous().to(device), tuple(parts))
     return LoRAModel(lora_int_id, layers)
 
 
@@ -76,8 +80,7 @@ def stack_adapters(adapters: tuple[LoRAModel, ...], layer: nn.Module) -> Stacked
         return None
     if len(parts) == 1:
         i, weights = parts[0]
-        owner = torch.full((weights.a_t.shape[1],), i, dtype=torch.int64, device=weights.a_t.device)
-        return StackedLoRA(weights.a_t, weights.b_t, owner)
-    owner = torch.cat([torch.full((w.a_t.shape[1],), i, dtype=torch.int64, device=w.a_t.device) for i, w in parts])
-    return StackedLoRA(torch.cat([w.a_t for _, w in parts], dim=1).contiguous(),
-                       torch.cat([w.b_t for _, w in parts]).contiguous(), owner)
+        owner = torch.full((weights.a.shape[0],), i, dtype=torch.int64, device=weights.a.device)
+        return StackedLoRA(weights.a.T, weights.b_t, owner)
+    owner = torch.cat([torch.full((w.a.shape[0],), i, dtype=torch.int64, device=w.a.device) for i, w in parts])
+    return StackedLoRA(torch.cat([w.a for _, w in parts]).T, torch.cat([w.b_t for _, w in parts]).contiguous(), owner)

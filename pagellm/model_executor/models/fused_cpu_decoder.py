@@ -5,7 +5,8 @@ The call applies to one tensor-parallel rank only (it cannot sum row-parallel ou
 the shape the C side implements (pre-norm RMSNorm, a gate|up MLP with SiLU or tanh-GELU, optional QKV bias, Q/K
 norms and output norms, full rotary), and only where the attention backend attends as the C kernel does. A
 pipeline stage fuses its own layers. `FusedDecodeStep` is what a model holds: built on first use, run for the
-batches it takes.
+batches it takes. Rows with LoRA adapters run in it too: it points the C side at the worker's adapter slots
+(lora/worker_manager.py) when a slot's adapter changes, and passes each row's slot with every step.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pagellm.kernels import decoder as fused_decoder_kernels
 from pagellm.kernels import elementwise
 from pagellm.kernels.decoder import FusedDecoder, LayerWeights
 from pagellm.lora import context as lora_context
+from pagellm.lora.weights import LoRAModel
 from pagellm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from pagellm.model_executor.layers.attention import AttentionMetadata, select_backend
 from pagellm.model_executor.layers.linear import KERNEL_MAX_ROWS
@@ -71,7 +73,8 @@ def build_fused_decoder(layers: list[nn.Module], config, tp_size: int,
             o_bias=attn.o_proj.bias, gate_up_bias=mlp.gate_up_proj.bias, down_bias=mlp.down_proj.bias,
             q_norm=attn.q_norm.weight if attn.q_norm else None, k_norm=attn.k_norm.weight if attn.k_norm else None,
             attn_out_norm=norms.attn_out.weight if norms.attn_out else None,
-            mlp_out_norm=norms.mlp_out.weight if norms.mlp_out else None, sliding_window=attn.attn.sliding_window))
+            mlp_out_norm=norms.mlp_out.weight if norms.mlp_out else None, sliding_window=attn.attn.sliding_window,
+            lora_targets=tuple(projections)))
     attn = layers[0].self_attn
     if len({layer.self_attn.attn.scale for layer in layers}) != 1:
         return None
@@ -88,6 +91,7 @@ class FusedDecodeStep:
         self._build = build
         self._decoder: FusedDecoder | None = None
         self.built = False
+        self._lora_slots: list[LoRAModel | None] = []  # the adapter whose weights each C slot points at
 
     @property
     def decoder(self) -> FusedDecoder | None:
@@ -99,9 +103,30 @@ class FusedDecodeStep:
             meta: AttentionMetadata) -> torch.Tensor | None:
         """The layers' output for a batch of decodes only, in one call; None when the batch has prefills, is wider
         than the C matmul takes, or the step does not apply (then the caller runs its modules)."""
-        if meta.prefills or meta.num_decodes > KERNEL_MAX_ROWS or lora_context.current() is not None:
-            return None  # LoRA rows: the C step has no adapter deltas, the modules add them
-        if self.decoder is None:
+        if meta.prefills or meta.num_decodes > KERNEL_MAX_ROWS:
             return None
-        return self.decoder.forward(hidden, positions, kv_caches, meta.slot_mapping, meta.decode_block_tables,
-                                    meta.decode_seq_lens)
+        decoder = self.decoder
+        if decoder is None:
+            return None
+        lora = lora_context.current()
+        if lora is not None:
+            if lora.row_slot is None:
+                return None  # no slots given: the modules add the deltas
+            self._bind_lora(decoder, lora.slots)
+        return decoder.forward(hidden, positions, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+                               meta.decode_seq_lens, None if lora is None else lora.row_slot)
+
+    def _bind_lora(self, decoder: FusedDecoder, slots: tuple[LoRAModel | None, ...]) -> None:
+        """Point the C side's slots at `slots`' adapters, rewriting only the slots whose adapter changed."""
+        if len(slots) > len(self._lora_slots):
+            decoder.set_lora_slots(len(slots))
+            self._lora_slots += [None] * (len(slots) - len(self._lora_slots))
+        for slot, adapter in enumerate(slots):
+            if self._lora_slots[slot] is adapter:
+                continue
+            for index, layer in enumerate(decoder.layers):
+                for projection, module in enumerate(layer.lora_targets):
+                    weights = adapter.layers.get(module) if adapter is not None else None
+                    decoder.set_lora(slot, index, projection,
+                                     None if weights is None else (weights.a, weights.b_t, weights.parts))
+            self._lora_slots[slot] = adapter
