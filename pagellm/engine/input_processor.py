@@ -15,6 +15,7 @@ from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
 from pagellm.lora.registry import LoRARegistry
 from pagellm.lora.request import LoRARequest
+from pagellm.model_executor.models.registry import is_encoder_only
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning import get_reasoning_parser
 from pagellm.sampling_params import BeamSearchParams, ReasoningTokenIds, SamplingParams, StructuredOutputsParams
@@ -147,8 +148,11 @@ class InputProcessor:
 
     def _check_generates(self) -> None:
         if self.model_config.runner == "pooling":
-            raise InvalidRequestError("This model is served for pooling (--runner pooling): it computes embeddings "
-                                      "and scores, not completions. Start it with --runner generate to generate.")
+            encoder = is_encoder_only(self.model_config.architecture)
+            fix = "It is an encoder-only model, which cannot generate" if encoder else (
+                "Start it with --runner generate to generate")
+            raise InvalidRequestError(f"This model is served for pooling (--runner pooling): it computes embeddings "
+                                      f"and scores, not completions. {fix}.")
 
     def _validate_priority(self, priority: int) -> None:
         """As vLLM: a priority only means something to the priority policy, so any other policy refuses one

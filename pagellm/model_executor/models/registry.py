@@ -16,7 +16,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    "BertModel": ("bert", "BertModel"),
 }
+# Encoder-only architectures: bidirectional attention over whole prompts, no KV cache, embeddings only (the pooling
+# runner). The engine runs their prompts unchunked and uncached, and pools them by CLS unless the checkpoint's
+# sentence-transformers config says otherwise (vLLM's default for BERT).
+_ENCODER_ONLY = frozenset({"BertModel"})
 
 
 def supported_architectures() -> list[str]:
@@ -30,6 +35,10 @@ def resolve_architecture(hf_config) -> str:
     found = getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "unknown")]
     raise ValueError(f"Model architecture {', '.join(found)} is not supported. "
                      f"Supported architectures: {', '.join(supported_architectures())}.")
+
+
+def is_encoder_only(architecture: str) -> bool:
+    return architecture in _ENCODER_ONLY
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
