@@ -60,6 +60,9 @@ class Worker:
                                         lora_config=config.lora_config)
         self.cache_engine: CacheEngine | None = None
         self.cpu_cores: list[int] | None = None  # the cores --cpu-affinity bound this rank to
+        # An encoder attends over whole prompts and keeps no K/V (layers/attention/encoder.py): its blocks are the
+        # scheduler's bookkeeping only, with no cache tensors behind them.
+        self.encoder_only = is_encoder_only(config.model_config.architecture)
 
     def init_device(self) -> None:
         parallel = self.config.parallel_config
@@ -68,9 +71,6 @@ class Worker:
             model_dtype = self.config.model_config.dtype
             check_kv_cache_dtype(self.config.cache_config.kv_dtype(model_dtype), model_dtype, self.device)
         else:
-        # An encoder attends over whole prompts and keeps no K/V (layers/attention/encoder.py): its blocks are the
-        # scheduler's bookkeeping only, with no cache tensors behind them.
-        self.encoder_only = is_encoder_only(config.model_config.architecture)
             keep_large_allocations_on_heap()
             if parallel.cpu_affinity:
                 groups = slot_groups(parallel.cpu_affinity, parallel.concurrent_ranks, available_cores())
@@ -143,6 +143,12 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         cache_config = self.config.cache_config
+        if self.encoder_only:  # nothing to profile or allocate: room for a whole prompt in every sequence slot
+            blocks = self.config.scheduler_config.max_num_seqs * -(-self.config.model_config.max_model_len
+                                                                   // cache_config.block_size)
+            logger.info("Encoder-only model: no KV cache; the scheduler counts %d blocks of %d tokens.", blocks,
+                        cache_config.block_size)
+            return blocks
         per_block = self._kv_bytes_per_block()
         budget = self.determine_kv_cache_bytes()
         num_blocks = budget // per_block
@@ -152,12 +158,6 @@ class Worker:
             raise ValueError(
                 f"The KV cache budget of {budget / GiB:.3f} GiB holds {num_blocks} blocks "
                 f"({num_blocks * cache_config.block_size} tokens), but one request of max_model_len={max_len} tokens "
-        if self.encoder_only:  # nothing to profile or allocate: room for a whole prompt in every sequence slot
-            blocks = self.config.scheduler_config.max_num_seqs * -(-self.config.model_config.max_model_len
-                                                                   // cache_config.block_size)
-            logger.info("Encoder-only model: no KV cache; the scheduler counts %d blocks of %d tokens.", blocks,
-                        cache_config.block_size)
-            return blocks
                 f"needs {needed} blocks ({needed * per_block / GiB:.3f} GiB). Increase the KV cache memory "
                 f"(kv_cache_memory_bytes / --kv-cache-memory, or gpu_memory_utilization on CUDA) or lower "
                 f"max_model_len (--max-model-len).")
@@ -171,6 +171,8 @@ class Worker:
     def determine_num_host_blocks(self) -> int:
         """Blocks of the host tier: swap_space_bytes of host memory, capped (with a warning) at half of what the
         host has free, since the tier is allocated up front (pinned on CUDA)."""
+        if self.encoder_only:  # an encoder keeps no K/V to swap
+            return 0
         per_block = self._kv_bytes_per_block()
         swap_bytes, free = self.config.cache_config.swap_space_bytes, available_host_memory()
         limit = int(_MAX_HOST_TIER_SHARE * free / self.config.parallel_config.data_parallel_size)
@@ -184,13 +186,14 @@ class Worker:
     def _kv_bytes_per_block(self) -> int:
         """One block of this rank's KV cache: its KV heads, its pipeline stage's layers."""
         return kv_bytes_per_block(self.config.model_config, self.config.cache_config, self.tensor_parallel_size,
-        if self.encoder_only:  # an encoder keeps no K/V to swap
-            return 0
                                   self.num_layers)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The KV cache of `num_blocks` blocks (and the host tier); on CUDA, then the decode graphs, which take one
         more block, past the scheduler's, for their padding rows."""
+        if self.encoder_only:  # nothing is cached: a one-block cache that no layer reads, no host tier or graphs
+            self._attach_cache(1)
+            return
         graphs = self.uses_decode_graphs()
         self._attach_cache(num_blocks + graphs, num_host_blocks)
         if graphs:
@@ -205,9 +208,6 @@ class Worker:
     def _attach_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device,
                                         num_host_blocks, self.tensor_parallel_size, self.num_layers)
-        if self.encoder_only:  # nothing is cached: a one-block cache that no layer reads, no host tier or graphs
-            self._attach_cache(1)
-            return
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
