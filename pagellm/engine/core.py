@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
+from pagellm.core.kv.kv_cache_groups import kv_cache_groups
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.output import SchedulerOutput
@@ -58,9 +59,9 @@ class EngineCore:
         num_host_blocks = self.executor.determine_num_host_blocks()
         self.executor.initialize_cache(self.num_blocks, num_host_blocks)
         cache_config = config.cache_config
-        # Blocks out of the window are freed only when every layer has the same one (one block table for all).
-        windows = {layer_sliding_window(config.model_config.hf_config, i)
-                   for i in range(config.model_config.num_layers)}
+        # One block table per KV cache group (layers of one attention type): sliding groups free what leaves the window.
+        groups = kv_cache_groups([layer_sliding_window(config.model_config.hf_config, i)
+                                  for i in range(config.model_config.num_layers)])
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks,
                                                sliding_window=windows.pop() if len(windows) == 1 else None)

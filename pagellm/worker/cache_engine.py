@@ -1,9 +1,12 @@
 """The KV cache tensors, on the device and in the host tier, and the block moves between them.
 
-Each layer's device cache is one [2, num_kv_heads, num_blocks, block_size, head_dim] tensor, allocated once at
-start-up. Heads are outermost so that gathering a batch's blocks yields [heads, batch, tokens, dim] directly in
-the layout attention's matmuls want. The host tier is `num_host_blocks` blocks per layer in the same layout
-(none when it is 0), in host memory: pinned on CUDA so that transfers are true asynchronous DMA.
+Each cache tensor is one [2, num_kv_heads, num_blocks, block_size, head_dim] tensor, allocated once at start-up:
+one per layer, or, for a model with several KV cache groups (core/kv/kv_cache_groups.py), one per position in a
+group, shared by the layers at that position of every group (a block id is one page of a group's layers, whichever
+group holds it; `kv_caches` lists each layer's tensor). Heads are outermost so that gathering a batch's blocks
+yields [heads, batch, tokens, dim] directly in the layout attention's matmuls want. The host tier is
+`num_host_blocks` blocks per tensor in the same layout (none when it is 0), in host memory: pinned on CUDA so that
+transfers are true asynchronous DMA.
 
 `swap_out` copies (device block, host block) pairs to the host, `swap_in` copies (host block, device block)
 pairs back, and `copy_blocks` copies device blocks (copy-on-write). A swap moves all of its step's blocks with
@@ -48,7 +51,8 @@ def kv_bytes_per_block(model_config: ModelConfig, cache_config: CacheConfig, ten
 class CacheEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, num_blocks: int,
                  device: torch.device, num_host_blocks: int = 0, tensor_parallel_size: int = 1,
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, layer_tensors: list[int] | None = None) -> None:
+        """`layer_tensors`: the cache tensor of each of this stage's layers (None: one tensor per layer)."""
         self.num_kv_heads = model_config.get_num_kv_heads(tensor_parallel_size)
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
@@ -56,10 +60,13 @@ class CacheEngine:
         self.device = device
         # A pipeline stage caches its own layers only (`num_layers`; None: every layer).
         dtype = cache_config.kv_dtype(model_config.dtype)
-        layers = range(model_config.num_layers if num_layers is None else num_layers)
-        self.kv_caches = [zeros(self._shape(model_config, num_blocks), dtype, device) for _ in layers]
+        layer_tensors = layer_tensors or list(range(model_config.num_layers if num_layers is None else num_layers))
+        tensors = range(max(layer_tensors) + 1)
+        # The distinct tensors: swaps and copies move each block once.
+        self.tensors = [zeros(self._shape(model_config, num_blocks), dtype, device) for _ in tensors]
+        self.kv_caches = [self.tensors[t] for t in layer_tensors]
         host_shape = self._shape(model_config, num_host_blocks)
-        self.host_caches = [host_zeros(host_shape, dtype, device) for _ in layers] if num_host_blocks else []
+        self.host_caches = [host_zeros(host_shape, dtype, device) for _ in tensors] if num_host_blocks else []
         self._on_cuda = device.type == "cuda"
         self._swap_stream = torch.cuda.Stream(device) if self._on_cuda and num_host_blocks else None
         self._swap_done = torch.cuda.Event() if self._swap_stream is not None else None
@@ -76,7 +83,7 @@ class CacheEngine:
         device_ids, host_ids = zip(*blocks_to_swap_out)
         with self._on_swap_stream():
             device_index = tensor_on(device_ids, torch.int64, self.device)  # once per swap, for every layer
-            gathered = [self._to_host(kv.index_select(2, device_index)) for kv in self.kv_caches]
+            gathered = [self._to_host(kv.index_select(2, device_index)) for kv in self.tensors]
         if self._on_cuda:
             self._swap_done.synchronize()  # the CPU scatter below reads what the transfers wrote
         host_index = torch.tensor(host_ids)
@@ -94,14 +101,14 @@ class CacheEngine:
         staged = [gather_blocks(host_kv, host_index, pin=self._on_cuda) for host_kv in self.host_caches]
         with self._on_swap_stream():
             device_index = tensor_on(device_ids, torch.int64, self.device)  # once per swap, for every layer
-            for kv, blocks in zip(self.kv_caches, staged):
+            for kv, blocks in zip(self.tensors, staged):
                 as_bytes(kv).index_copy_(2, device_index, as_bytes(blocks.to(self.device, non_blocking=True)))
 
     @torch.inference_mode()
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy each (source, destination) block in every layer, in order (a block freed by one
         copy's owner may be the destination of a later one in the same step)."""
-        for kv in self.kv_caches:
+        for kv in self.tensors:
             for src, dst in blocks_to_copy:
                 kv[:, :, dst].copy_(kv[:, :, src])
 

@@ -28,6 +28,7 @@ class CachedRequestState:
     block_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    group_block_ids: list[list[int]] = field(default_factory=list)  # the other KV cache groups' tables
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
@@ -44,7 +45,7 @@ class BatchedRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
     num_computed_tokens: int  # position of token_ids[0]
-    block_ids: list[int]  # the sequence's whole block table
+    block_ids: list[int]  # the sequence's whole block table (the first KV cache group's)
     sampling_params: SamplingParams
     needs_sample: bool
     # The worker's own lists, read by the sampler for penalties, bad words, min_tokens and prompt logprobs.
@@ -63,6 +64,8 @@ class BatchedRequest:
     # Speculative decoding: the last `num_spec_tokens` of token_ids are draft tokens; all 1 + num_spec_tokens
     # last positions are sampled (greedy verification, see core/sched/results.py).
     num_spec_tokens: int = 0
+    # Models with several KV cache groups: the other groups' whole tables, as long as `block_ids`.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -90,8 +93,11 @@ class InputBatch:
                 state.all_token_ids += scheduled.new_token_ids
             if scheduled.replaces_block_table:
                 state.block_ids = list(scheduled.new_block_ids)
+                state.group_block_ids = [list(ids) for ids in scheduled.new_group_block_ids]
             else:
                 state.block_ids += scheduled.new_block_ids
+                for table, ids in zip(state.group_block_ids, scheduled.new_group_block_ids, strict=True):
+                    table += ids
             num_spec = len(scheduled.spec_token_ids)
             start = scheduled.num_computed_tokens
             end = start + scheduled.num_tokens - num_spec
@@ -105,7 +111,7 @@ class InputBatch:
                 state.request_id, token_ids, start, state.block_ids, state.sampling_params, scheduled.needs_sample,
                 state.prompt_token_ids, state.output_token_ids, state.eos_token_ids, state.bad_words_token_ids,
                 scheduled.num_samples, scheduled.pending_token, pooling_params=state.pooling_params,
-                lora_request=state.lora_request, num_spec_tokens=num_spec))
+                lora_request=state.lora_request, num_spec_tokens=num_spec, group_block_ids=state.group_block_ids))
         return batch
 
 

@@ -33,12 +33,19 @@ import numpy as np
 import torch
 
 from pagellm.config import LoRAConfig, ModelConfig
+from pagellm.core.kv.kv_cache_groups import KVCacheGroup, layer_positions
 from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.lora.context import LoRABatch, lora_batch
 from pagellm.lora.worker_manager import LoRAWorkerManager
 from pagellm.model_executor.host_copy import StagedCopy, tensor_on
-from pagellm.model_executor.layers.attention import AttentionBackend, AttentionMetadata, PrefillLayout, select_backend
+from pagellm.model_executor.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillLayout,
+    assign_kv_groups,
+    select_backend,
+)
 from pagellm.model_executor.layers.pooler import PoolingChunk, pool_chunks
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
@@ -104,8 +111,12 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device,
-                 samples: bool = True, async_output: bool = False, lora_config: LoRAConfig | None = None) -> None:
+                 samples: bool = True, async_output: bool = False, lora_config: LoRAConfig | None = None,
+                 kv_groups: list[KVCacheGroup] | None = None) -> None:
+        """`kv_groups`: the model's KV cache groups (core/kv/kv_cache_groups.py; None: one group of every layer)."""
         self.model_config = model_config
+        self.kv_groups = kv_groups
+        self.num_kv_groups = len(kv_groups) if kv_groups else 1
         self.lora_config = lora_config
         self.lora_manager: LoRAWorkerManager | None = None  # with --enable-lora, once the model is loaded
         self.block_size = block_size
@@ -128,6 +139,8 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
         self.attn_backend = select_backend(self.device, self.model_config.dtype)
+        if self.num_kv_groups > 1:
+            assign_kv_groups(self.model, {layer: g for layer, (g, _) in layer_positions(self.kv_groups).items()})
         if self.lora_config is not None and self.lora_config.enable_lora:
             self.lora_manager = LoRAWorkerManager(self.lora_config, self.model, self.model_config.hf_config,
                                                   self.device)
@@ -170,10 +183,13 @@ class ModelRunner:
         offsets = np.arange(num_tokens) - starts[req_index]
         positions = np.array([r.num_computed_tokens for r in ordered], dtype=np.int64)[req_index] + offsets
         max_blocks = max(len(r.block_ids) for r in ordered)
-        block_table = np.zeros((len(ordered), max_blocks), dtype=np.int64)
+        # One table per KV cache group (the first group's from `block_ids`); every group's tables are equally long.
+        block_tables = [np.zeros((len(ordered), max_blocks), dtype=np.int64) for _ in range(self.num_kv_groups)]
         for i, r in enumerate(ordered):
-            block_table[i, :len(r.block_ids)] = r.block_ids
-        slot_mapping = block_table[req_index, positions // bs] * bs + positions % bs
+            block_tables[0][i, :len(r.block_ids)] = r.block_ids
+            for table, group_ids in zip(block_tables[1:], r.group_block_ids):
+                table[i, :len(group_ids)] = group_ids
+        slot_mappings = [table[req_index, positions // bs] * bs + positions % bs for table in block_tables]
         input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64, count=num_tokens)
 
         # n > 1: the same last-token logits row is sampled once per sequence. Speculative decoding: each of the
@@ -192,26 +208,33 @@ class ModelRunner:
 
         # Every integer input of the step reaches the device in one copy.
         staged = StagedCopy()
-        ids, pos, slots, logits_rows = (staged.add(a) for a in (input_ids, positions, slot_mapping, logits_indices))
+        ids, pos, logits_rows = (staged.add(a) for a in (input_ids, positions, logits_indices))
+        slots = [staged.add(a) for a in slot_mappings]
         n = len(decodes)
         rows = int(query_lens[:n].sum())  # decode rows: one per query token
         if decodes:
-            tables = staged.add(block_table[req_index[:rows], :max(len(r.block_ids) for r in decodes)])
+            width = max(len(r.block_ids) for r in decodes)
+            tables = [staged.add(table[req_index[:rows], :width]) for table in block_tables]
             lens = staged.add(positions[:rows] + 1)
         # The backend stages what its prefill reads (one table per chunk, or Triton's one-launch PrefillBatch).
         backend = self.attn_backend
         assert backend is not None, "load_model() picks the attention backend"
-        layout = PrefillLayout(starts[n:], query_lens[n:], np.array([r.num_computed_tokens for r in prefills]),
-                               block_table[n:], [r.block_ids for r in prefills])
-        prefill = backend.stage_prefills(staged, layout)
+        context_lens = np.array([r.num_computed_tokens for r in prefills])
+        layouts = [PrefillLayout(starts[n:], query_lens[n:], context_lens, table[n:],
+                                 [r.block_ids if g == 0 else r.group_block_ids[g - 1] for r in prefills])
+                   for g, table in enumerate(block_tables)]
+        prefill = [backend.stage_prefills(staged, layout) for layout in layouts]
         if taken:
             destinations, sources = (staged.add(column) for column in zip(*taken))
         t = staged.send(self.device)
 
         if taken:
             t[ids][t[destinations]] = last_tokens[t[sources]]
-        meta = backend.build_metadata(t[slots], rows, t[tables] if decodes else None, t[lens] if decodes else None,
-                                      layout, [t[h] for h in prefill])
+        metas = [backend.build_metadata(t[slots[g]], rows, t[tables[g]] if decodes else None,
+                                        t[lens] if decodes else None, layouts[g], [t[h] for h in prefill[g]])
+                 for g in range(self.num_kv_groups)]
+        meta = metas[0]
+        meta.kv_groups = metas[1:]
         prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
                            if r.sampling_params.prompt_logprobs is not None
                            and r.num_computed_tokens < len(r.prompt_token_ids) - 1]

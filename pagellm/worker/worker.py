@@ -8,10 +8,11 @@ import os
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv.kv_cache_groups import blocks_needed, kv_cache_groups, layer_positions
 from pagellm.core.sched.output import GrammarOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from pagellm.distributed.parallel_state import stage_layer_range
 from pagellm.logger import init_logger
-from pagellm.model_executor.layers.attention import check_kv_cache_dtype
+from pagellm.model_executor.layers.attention import check_kv_cache_dtype, layer_sliding_window
 from pagellm.model_executor.models.registry import is_encoder_only
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.async_output import AsyncModelRunnerOutput
@@ -49,6 +50,13 @@ class Worker:
         start, end = stage_layer_range(config.model_config.num_layers, parallel.pp_rank(rank),
                                        parallel.pipeline_parallel_size)
         self.num_layers = end - start
+        # KV cache groups (core/kv/kv_cache_groups.py): this stage's layers' cache tensors, one per distinct position.
+        model_config = config.model_config
+        self.kv_groups = kv_cache_groups([layer_sliding_window(model_config.hf_config, i)
+                                          for i in range(model_config.num_layers)])
+        positions = layer_positions(self.kv_groups)
+        used = sorted({positions[layer][1] for layer in range(start, end)})
+        self.layer_tensors = [used.index(positions[layer][1]) for layer in range(start, end)]
         device = config.device_config.device
         # One GPU per rank on this machine; data-parallel replicas take the next world_size GPUs each.
         gpu = parallel.data_parallel_rank * parallel.world_size + rank
@@ -57,7 +65,7 @@ class Worker:
         self.model_runner = ModelRunner(config.model_config, config.cache_config.block_size, self.device,
                                         samples=rank == parallel.output_rank,
                                         async_output=config.scheduler_config.async_scheduling,
-                                        lora_config=config.lora_config)
+                                        lora_config=config.lora_config, kv_groups=self.kv_groups)
         self.cache_engine: CacheEngine | None = None
         self.cpu_cores: list[int] | None = None  # the cores --cpu-affinity bound this rank to
         # An encoder attends over whole prompts and keeps no K/V (layers/attention/encoder.py): its blocks are the
@@ -130,8 +138,9 @@ class Worker:
             num_blocks = -(-length // block_size)
             output.new_requests.append(NewRequestData(f"profile-{i}", [0] * length, [],
                                                       SamplingParams(temperature=1.0, top_p=0.9, top_k=50)))
-            output.scheduled.append(ScheduledRequest(f"profile-{i}", length, 0, [],
-                                                     list(range(next_block, next_block + num_blocks)), True))
+            blocks = list(range(next_block, next_block + num_blocks))
+            output.scheduled.append(ScheduledRequest(f"profile-{i}", length, 0, [], blocks, True,
+                                                     new_group_block_ids=[blocks] * (len(self.kv_groups) - 1)))
             next_block += num_blocks
         self._attach_cache(next_block)
         result = self.model_runner.execute_model(output)
@@ -153,7 +162,11 @@ class Worker:
         budget = self.determine_kv_cache_bytes()
         num_blocks = budget // per_block
         max_len = self.config.model_config.max_model_len
-        needed = -(-max_len // cache_config.block_size)
+        # One request of max_model_len: every token in the full-attention groups, a sliding group only its window
+        # and the last chunk (what admission counts, see KVCacheManager.num_blocks_needed).
+        chunk = min(max_len, self.config.scheduler_config.max_num_batched_tokens)
+        needed = blocks_needed([group.window for group in self.kv_groups], max_len - chunk, chunk,
+                               cache_config.block_size)
         if num_blocks < needed:
             raise ValueError(
                 f"The KV cache budget of {budget / GiB:.3f} GiB holds {num_blocks} blocks "
@@ -184,9 +197,10 @@ class Worker:
         return swap_bytes // per_block
 
     def _kv_bytes_per_block(self) -> int:
-        """One block of this rank's KV cache: its KV heads, its pipeline stage's layers."""
+        """One block of this rank's KV cache: its KV heads, its pipeline stage's cache tensors (one per layer, or per
+        position in a KV cache group)."""
         return kv_bytes_per_block(self.config.model_config, self.config.cache_config, self.tensor_parallel_size,
-                                  self.num_layers)
+                                  max(self.layer_tensors) + 1)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The KV cache of `num_blocks` blocks (and the host tier); on CUDA, then the decode graphs, which take one
@@ -201,13 +215,14 @@ class Worker:
 
     def uses_decode_graphs(self) -> bool:
         """CUDA graphs for decode steps: on CUDA, one rank (a graph cannot hold a step's collectives here), unless
-        --enforce-eager."""
+        --enforce-eager; the graphs hold one block table, so not for a model with several KV cache groups."""
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
-                and self.config.parallel_config.world_size == 1)
+                and self.config.parallel_config.world_size == 1 and len(self.kv_groups) == 1)
 
     def _attach_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         self.cache_engine = CacheEngine(self.config.model_config, self.config.cache_config, num_blocks, self.device,
-                                        num_host_blocks, self.tensor_parallel_size, self.num_layers)
+                                        num_host_blocks, self.tensor_parallel_size, self.num_layers,
+                                        self.layer_tensors)
         self.model_runner.kv_caches = self.cache_engine.kv_caches
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:

@@ -67,10 +67,12 @@ def test_prefix_longer_than_the_window_from_the_cache(model_dir, make_token_prom
 
 
 def test_preempted_and_recomputed_sequences_match(model_dir, prompts, hf_model, pool_bytes, no_leaks):
-    """A pool that holds one full-length request, not the batch: sequences are preempted and recomputed."""
+    """A pool that holds one full-length request, not the batch: sequences are preempted and recomputed. A block is
+    one layer's page here (seven KV cache groups of one layer); one 320-token request holds 40 pages in the global
+    layer's group and at most (16 + 64) / 8 + 2 in each local one: 100."""
     max_model_len, block_size = 320, 8
     llm = LLM(model=str(model_dir), max_model_len=max_model_len, block_size=block_size, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, max_model_len // block_size + 2))
+              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, 1) // 7 * 105)
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
     for output in outputs:

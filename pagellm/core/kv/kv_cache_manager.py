@@ -171,8 +171,14 @@ class KVCacheManager:
         hits = []
         for g, chain in enumerate(chains):
             if chain.num_blocks >= length:
-                device = chain.device[:length]
-                hits.append(ComputedBlocks(device, chain.host[:length - len(device)]))
+                device, host = chain.device[:length], chain.host[:length - len(chain.device[:length])]
+                # A sliding group takes no block before the next query's window (it would free it at once).
+                skip = num_skipped_blocks(length * self.block_size, self.groups[g].window, self.block_size)
+                if skip > len(device):
+                    device, host = [NULL_BLOCK] * skip, host[skip - len(device):]
+                elif skip:
+                    device = [NULL_BLOCK] * skip + device[skip:]
+                hits.append(ComputedBlocks(device, host))
             else:
                 hits.append(ComputedBlocks(window_hit(self.block_pool, keys[g][:length], self.groups[g].window,
                                                       self.block_size)))
@@ -263,6 +269,13 @@ class KVCacheManager:
 
         if computed.num_blocks:
             self._record_hit(request, computed.num_blocks * self.block_size)
+        # Every group's hits are taken before any group allocates: an allocation evicts cached blocks nobody holds
+        # (on the device, and in the host tier, where evicted device blocks are saved). Host hits are held until the
+        # step has copied them in.
+        for hit, _, _ in plans:
+            self.block_pool.touch(live(hit.device))
+            if hit.host:
+                self.host_pool.touch(hit.host)
         swapped_in = False
         for group, (hit, copy_on_write, num_fresh) in zip(self.groups, plans):
             swapped_in |= self._grow(group, request_id, hit, copy_on_write, num_fresh, first)
@@ -276,16 +289,15 @@ class KVCacheManager:
 
     def _grow(self, group: GroupTables, request_id: str, hit: ComputedBlocks, copy_on_write: bool, num_fresh: int,
               first: int) -> bool:
-        """One group's part of `allocate_slots`, once the pool is known to have room. True when it swapped in."""
-        blocks = group.req_to_blocks.get(request_id, [])
-        self.block_pool.touch(live(hit.device))
-        blocks = blocks + hit.device
+        """One group's part of `allocate_slots`, once the pool is known to have room and the hits are taken. True when
+        it swapped in."""
+        blocks = group.req_to_blocks.get(request_id, []) + hit.device
         if hit.host:
-            blocks += self._load_from_host(hit.host, release=False)
+            blocks += self._load_from_host(hit.host)
         swapped = request_id in group.req_to_host_blocks
         if swapped:
             blocks += [NULL_BLOCK] * group.swapped_num_freed.pop(request_id, 0)
-            blocks += self._load_from_host(group.req_to_host_blocks.pop(request_id), release=True)
+            blocks += self._load_from_host(group.req_to_host_blocks.pop(request_id))
         if copy_on_write:
             shared = blocks[first]
             (private,) = self.block_pool.allocate(1)
@@ -312,12 +324,9 @@ class KVCacheManager:
         else:
             self.prefix_stats.queries += request.num_tokens
 
-    def _load_from_host(self, host_blocks: list[KVCacheBlock], release: bool) -> list[KVCacheBlock]:
-        """Fresh device blocks receiving copies of `host_blocks` this step. The host blocks are held until the step
-        is over; `release` drops the caller's own reference to them then (a swapped-out request's blocks)."""
-        if not release:
-            # Held before the device allocation below, whose evictions take host blocks.
-            self.host_pool.touch(host_blocks)
+    def _load_from_host(self, host_blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Fresh device blocks receiving copies of `host_blocks` this step. The caller's reference to each host block
+        (a hit's, taken in `allocate_slots`, or a swapped-out request's own) is dropped once the step is over."""
         self._held_host_blocks += host_blocks
         device_blocks = self.block_pool.allocate(len(host_blocks))
         self._transfers.swap_in += [(h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks)]

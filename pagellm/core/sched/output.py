@@ -54,6 +54,9 @@ class ScheduledRequest:
     # worker samples every one of the 1 + len positions, and the scheduler keeps the tokens up to the first
     # mismatch (see spec_decode/).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Models with several KV cache groups (core/kv/kv_cache_groups.py): the other groups' blocks, one list per group
+    # after the first, appended (or replacing) as `new_block_ids` are.
+    new_group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -38,7 +38,10 @@ class WorkerView:
             held.num_tokens = request.num_tokens
         if held.num_blocks == 0 or rewritten:
             scheduled.replaces_block_table, held.num_blocks = True, 0
-        scheduled.new_block_ids = self.kv_cache_manager.get_block_ids(request_id, held.num_blocks)
+        manager = self.kv_cache_manager
+        scheduled.new_block_ids = manager.get_block_ids(request_id, held.num_blocks)
+        scheduled.new_group_block_ids = [manager.get_block_ids(request_id, held.num_blocks, group)
+                                         for group in range(1, len(manager.groups))]
         held.num_blocks += len(scheduled.new_block_ids)
 
     def forget(self, request_id: str) -> None:

@@ -17,7 +17,7 @@ from pagellm.model_executor.layers.attention.backend import (
     PrefillChunk,
     PrefillLayout,
 )
-from pagellm.model_executor.layers.attention.layer import Attention, layer_sliding_window
+from pagellm.model_executor.layers.attention.layer import Attention, assign_kv_groups, layer_sliding_window
 from pagellm.model_executor.layers.attention.selector import (
     BACKENDS,
     attention_backend,
@@ -41,6 +41,7 @@ __all__ = [
     "PrefillChunk",
     "PrefillLayout",
     "TritonAttentionMetadata",
+    "assign_kv_groups",
     "attention_backend",
     "check_kv_cache_dtype",
     "layer_sliding_window",

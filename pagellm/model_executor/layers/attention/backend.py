@@ -8,13 +8,13 @@ supplies only its cache write, its batched decode and its prefill.
 
 Each call carries the layer's sliding window (`window`, None: the whole sequence): with a window of n a query at
 position q sees the keys at positions q - n < k <= q, as transformers' sliding-window mask has it. A backend skips
-reading the blocks wholly before a query's window, or reads them masked: when every layer shares the window, the KV
-manager frees those blocks and their table entries hold block 0 (see core/kv/kv_cache_manager.py).
+reading the blocks wholly before a query's window, or reads them masked: the KV manager frees those blocks of a
+sliding window's group and their table entries hold block 0 (see core/kv/kv_cache_manager.py).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -45,6 +45,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64, including the query token
     prefills: list[PrefillChunk]
+    # Models with several KV cache groups (core/kv/kv_cache_groups.py): this metadata is the first group's, and
+    # `kv_groups[g - 1]` group g's (its slot mapping and block tables); each `Attention` layer picks its own.
+    kv_groups: list[AttentionMetadata] = field(default_factory=list, kw_only=True)
 
 
 @dataclass(slots=True)

@@ -1,10 +1,13 @@
 """The `Attention` layer the models hold: the shapes of one attention and the call into the selected backend.
 
-It also reads a layer's sliding window from a model config (`layer_sliding_window`). It owns nothing
-backend-specific: which kernels run, and what metadata they read, belong to the backend
-`select_backend` picks for the queries' device and dtype (the same one the model runner built the metadata with).
+It also reads a layer's sliding window from a model config (`layer_sliding_window`), and tells the layers their KV
+cache groups (`assign_kv_groups`). It owns nothing backend-specific: which kernels run, and what metadata they read,
+belong to the backend `select_backend` picks for the queries' device and dtype (the same one the model runner built
+the metadata with).
 """
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -41,9 +44,26 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.kv_group = 0  # its KV cache group (set by `assign_kv_groups`): whose slots and block tables it reads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]. Returns [T, H * D]."""
+        if self.kv_group:
+            meta = meta.kv_groups[self.kv_group - 1]
         return select_backend(q.device.type, q.dtype).forward(q, k, v, kv_cache, meta, self.scale,
                                                               self.sliding_window)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def assign_kv_groups(model: nn.Module, group_of_layer: dict[int, int]) -> None:
+    """Tell each `Attention` of `model` (under `layers.<index>.`, as every family names its decoder layers) its
+    layer's KV cache group."""
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            match = _LAYER_INDEX.search(name)
+            if match is None:
+                raise ValueError(f"Attention module {name!r} is not under a numbered decoder layer.")
+            module.kv_group = group_of_layer[int(match.group(1))]
