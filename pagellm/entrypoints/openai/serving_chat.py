@@ -4,8 +4,8 @@ rendered prompt; not in streams).
 
 With --reasoning-parser, each choice's text is split first (pagellm/reasoning/): the reasoning becomes vLLM's
 `reasoning_content` (`delta.reasoning_content` in streams), and tool calls are parsed from the content after it.
-A constraint on the output (response_format, structured_outputs, a forced tool call) would apply to the reasoning
-too, so it is refused unless the request turned thinking off."""
+A constraint on the output (response_format, structured_outputs, a forced tool call) holds that content too: the
+engine starts the grammar after the reasoning's end tag (see structured_output/request.py)."""
 from __future__ import annotations
 
 import time
@@ -129,18 +129,20 @@ class OpenAIServingChat(OpenAIServing):
 
     def _reasoning(self, request: ChatCompletionRequest, mode: str, params: SamplingParams, prompt: str,
                    template_kwargs: dict[str, object]) -> ReasoningParser | None:
-        """The request's reasoning parser (None without --reasoning-parser). A constraint would hold the reasoning
-        to it too (the grammar starts at the first output token), so one is refused while thinking is on."""
+        """The request's reasoning parser (None without --reasoning-parser). The engine starts a constraint after
+        the reasoning, or at once when the prompt closed it; thinking turned off by chat_template_kwargs in a
+        template that leaves reasoning open would leave the content unconstrained, so that is refused."""
         if self.reasoning_parser is None:
             return None
         parser = self.reasoning_parser(prompt, template_kwargs)
-        if params.structured_outputs is not None and not parser.thinking_disabled():
+        if params.structured_outputs is not None and parser.thinking_disabled() and not parser.prompt_closes_reasoning:
             field = "tool_choice" if mode in ("named", "required") else \
                 "structured_outputs" if request.structured_outputs is not None else "response_format"
             raise OpenAIServingError(
-                f"{field} constrains the whole output, and with --reasoning-parser {parser.name} the output starts "
-                f"with the model's reasoning, which a constraint would cut short. Turn thinking off for this request "
-                f"(Qwen3: chat_template_kwargs {{\"enable_thinking\": false}}) or drop {field}.", param=field)
+                f"{field} applies after the reasoning's {parser.end_tag}, but chat_template_kwargs turned thinking "
+                f"off and this chat template does not close reasoning in the prompt, so the output would never reach "
+                f"the constraint. Leave thinking on, or use a template that writes the empty reasoning block.",
+                param="chat_template_kwargs")
         return parser
 
     @staticmethod

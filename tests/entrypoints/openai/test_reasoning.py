@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -163,19 +164,79 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(reasoning_client, hf,
 
 
 def test_bad_reasoning_requests_are_400s(reasoning_client):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    for body, param in [({"response_format": {"type": "json_object"}}, "response_format"),
-                        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
-                        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    for body, param in [({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
                         ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
                          "reasoning_effort")]:
         with pytest.raises(openai.BadRequestError) as error:
             chat(reasoning_client, **body)
         assert param in error.value.body["message"], body
-    # With thinking off the output is all content, and a constraint applies to it.
-    response = chat(reasoning_client, response_format={"type": "json_object"}, max_completion_tokens=4,
-                    chat_template_kwargs={"enable_thinking": False})
-    assert response.choices[0].message.model_extra["reasoning_content"] is None
+
+
+# ---- constraints on the content after the reasoning (the engine starts the grammar after </think>) -------------
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["city", "n"], "additionalProperties": False}
+
+
+def test_a_json_schema_holds_the_content_after_free_reasoning(reasoning_client, hf):
+    """The budget closes reasoning after 3 tokens, which are transformers' unconstrained greedy tokens; the content
+    after </think> validates against the schema (jsonschema), whole and streamed alike."""
+    reasoning = hf[0].decode(greedy(hf, prompt_ids(hf), {}, 3))
+    # vLLM's structured_outputs, compact: free whitespace would let the random model write it forever.
+    constraint = {"json": SCHEMA, "disable_any_whitespace": True}
+    body = dict(structured_outputs=constraint, thinking_token_budget=3, max_completion_tokens=64, ignore_eos=False)
+    response = chat(reasoning_client, **body)
+    message = response.choices[0].message
+    assert message.model_extra["reasoning_content"] == reasoning
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+    assert response.choices[0].finish_reason == "stop"
+    assert streamed(chat(reasoning_client, stream=True, **body)) == {0: (reasoning, message.content)}
+    # Thinking off: the prompt closed reasoning, and the schema holds the output from its first token.
+    closed = chat(reasoning_client, chat_template_kwargs={"enable_thinking": False}, **body).choices[0].message
+    assert closed.model_extra["reasoning_content"] is None
+    jsonschema.validate(json.loads(closed.content), SCHEMA)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_follows_free_reasoning(reasoning_client, hf, tool_choice):
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+                  "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    reasoning = hf[0].decode(greedy(hf, prompt_ids(hf, tools=tools), {}, 2))
+    body = dict(tools=tools, tool_choice=tool_choice, thinking_token_budget=2, max_completion_tokens=64,
+                ignore_eos=False)
+    response = chat(reasoning_client, **body)
+    message = response.choices[0].message
+    assert message.model_extra["reasoning_content"] == reasoning
+    assert [call.function.name for call in message.tool_calls] == ["get_weather"]
+    assert set(json.loads(message.tool_calls[0].function.arguments)) == {"city"}
+    assert response.choices[0].finish_reason == "tool_calls"
+    chunks = list(chat(reasoning_client, stream=True, **body))
+    assert streamed(chunks)[0][0] == reasoning
+    calls = [call for chunk in chunks for choice in chunk.choices for call in choice.delta.tool_calls or []]
+    assert calls[0].function.name == "get_weather"
+    assert "".join(call.function.arguments or "" for call in calls) == message.tool_calls[0].function.arguments
+
+
+def test_thinking_off_in_a_template_that_leaves_reasoning_open_refuses_a_constraint():
+    """Qwen3's switch turned off, but the prompt does not close reasoning: the grammar would wait for a </think>
+    the model has no reason to write, so the constraint is refused naming chat_template_kwargs."""
+    from types import SimpleNamespace
+
+    from pagellm.entrypoints.openai.errors import OpenAIServingError
+    from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+    from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    serving = SimpleNamespace(reasoning_parser=get_reasoning_parser("qwen3"))
+    request = ChatCompletionRequest(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"})
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    off = {"enable_thinking": False}
+    with pytest.raises(OpenAIServingError, match="does not close reasoning") as error:
+        OpenAIServingChat._reasoning(serving, request, "none", params, "<|im_start|>assistant\n", off)
+    assert error.value.param == "chat_template_kwargs"
+    # The same with a prompt that closes it, or with thinking on, is served.
+    assert OpenAIServingChat._reasoning(serving, request, "none", params, "assistant\n<think>\n\n</think>\n\n", off)
+    assert OpenAIServingChat._reasoning(serving, request, "none", params, "<|im_start|>assistant\n", {})
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
