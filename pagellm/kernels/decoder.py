@@ -38,7 +38,7 @@ class _Layer(ctypes.Structure):
         "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias",
         "input_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm", "cos_table", "sin_table",
         "key_cache", "value_cache")),
-        ("sliding_window", _I64)]
+        ("sliding_window", _I64), ("kv_group", _I64)]
 
 
 # Mirrors decoder_cpu.c's pagellm_decoder_lora: one adapter on one projection of one layer (rank 0: none).
@@ -115,6 +115,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     sliding_window: int | None = None
+    kv_group: int = 0  # its KV cache group: which of `forward`'s slot mappings and block tables it reads
     # The layer's qkv, o, gate_up and down modules (LORA_PROJECTIONS' order): what a LoRA adapter's weights are
     # found under (models/fused_cpu_decoder.py); empty where adapters do not apply.
     lora_targets: tuple[torch.nn.Module, ...] = ()
@@ -134,7 +135,7 @@ class FusedDecoder:
                          "k_norm", "attn_out_norm", "mlp_out_norm", "cos_table", "sin_table"):
                 tensor = getattr(w, name)
                 setattr(struct, name, None if tensor is None else tensor.data_ptr())
-            struct.sliding_window = w.sliding_window or 0
+            struct.sliding_window, struct.kv_group = w.sliding_window or 0, w.kv_group
         lib_linear, lib_elementwise, lib_attention = linear.loaded(), elementwise.loaded(), paged_attention.loaded()
         self._decoder = _Decoder(
             _address(lib_linear.pagellm_matmul), _address(lib_elementwise.rms_norm_f32),
@@ -199,13 +200,15 @@ class FusedDecoder:
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 row_slot: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [m, hidden] (updated in place and returned); one query token per sequence. row_slot: int32 [m],
+        """hidden [m, hidden] (updated in place and returned); one query token per sequence. slot_mapping [m] and
+        block_tables [m, max_blocks], or [groups, m] and [groups, m, max_blocks] with several KV cache groups (each
+        layer reads its `kv_group`'s). row_slot: int32 [m],
         each row's adapter slot (-1: the base model), or None when no row has an adapter."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
         hidden = hidden.contiguous()
         status = self._run(ctypes.addressof(self._decoder), hidden.data_ptr(), hidden.shape[0], positions.data_ptr(),
-                           slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                           slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[-1],
                            seq_lens.data_ptr(), None if row_slot is None else row_slot.data_ptr(),
                            torch.get_num_threads())
         if status == -2:

@@ -42,6 +42,7 @@ typedef struct {
     const float *cos_table, *sin_table; /* this layer's RoPE tables, as RotaryEmbedding keeps them; NULL: none */
     void *key_cache, *value_cache;      /* [kv_heads, num_blocks, block_size, D] of the decoder's kv_type */
     int64_t sliding_window;             /* this layer's: a query sees the last n tokens; 0: all of them */
+    int64_t kv_group; /* its KV cache group: the slots and block tables it reads are that group's (see forward) */
 } pagellm_decoder_layer;
 
 /* One adapter's weights on one projection of one layer (kernels/decoder.py `_LoRA`; rank 0: the adapter leaves the
@@ -176,7 +177,8 @@ static void add_rows(float *x, const float *bias, int64_t rows, int64_t dim) {
         for (int64_t i = 0; i < dim; i++) x[r * dim + i] += bias[i];
 }
 
-/* hidden [m, hidden] is updated in place to the output of the last layer (before the final norm). row_slot [m]: each
+/* hidden [m, hidden] is updated in place to the output of the last layer (before the final norm). slots [groups, m]
+ * and block_tables [groups, m, max_blocks]: one slot mapping and block table per KV cache group. row_slot [m]: each
  * row's adapter slot (-1: none), or NULL when no row has one. Returns 0, -1 when a kernel fails, -2 when scratch
  * memory cannot be allocated. */
 int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, const int64_t *positions,
@@ -203,6 +205,8 @@ int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, 
     }
     for (int64_t l = 0; l < d->num_layers && status == 0; l++) {
         const pagellm_decoder_layer *layer = d->layers + l;
+        const int64_t *layer_slots = slots + layer->kv_group * m;
+        const int64_t *layer_tables = block_tables + layer->kv_group * m * max_blocks;
         /* attention block */
         d->rms_norm(hidden, NULL, layer->input_norm, normed, m, d->hidden, d->eps, nthreads);
         if ((status = d->matmul(layer->qkv, normed, m, d->hidden, wide, nthreads))) break;
@@ -218,10 +222,10 @@ int pagellm_decoder_forward(const pagellm_decoder *d, float *hidden, int64_t m, 
             d->rope(wide + q_size, m, d->kv_heads, qkv_size, d->head_dim, positions, layer->cos_table,
                     layer->sin_table);
         }
-        d->write_cache(wide + q_size, wide + q_size + kv_size, qkv_size, qkv_size, slots, m, d->kv_heads, d->head_dim,
-                       num_slots, layer->key_cache, layer->value_cache, (int)d->kv_type);
+        d->write_cache(wide + q_size, wide + q_size + kv_size, qkv_size, qkv_size, layer_slots, m, d->kv_heads,
+                       d->head_dim, num_slots, layer->key_cache, layer->value_cache, (int)d->kv_type);
         for (int64_t t = 0; t < m; t++) memcpy(query + t * q_size, wide + t * qkv_size, sizeof(float) * (size_t)q_size);
-        if (d->attention(query, layer->key_cache, layer->value_cache, block_tables, seq_lens, mid, m, d->heads,
+        if (d->attention(query, layer->key_cache, layer->value_cache, layer_tables, seq_lens, mid, m, d->heads,
                          d->kv_heads, d->head_dim, d->num_blocks, d->block_size, max_blocks, d->scale, (int)d->kv_type,
                          layer->sliding_window, 0, nthreads)) {
             status = -1;

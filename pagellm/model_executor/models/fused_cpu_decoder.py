@@ -74,7 +74,7 @@ def build_fused_decoder(layers: list[nn.Module], config, tp_size: int,
             q_norm=attn.q_norm.weight if attn.q_norm else None, k_norm=attn.k_norm.weight if attn.k_norm else None,
             attn_out_norm=norms.attn_out.weight if norms.attn_out else None,
             mlp_out_norm=norms.mlp_out.weight if norms.mlp_out else None, sliding_window=attn.attn.sliding_window,
-            lora_targets=tuple(projections)))
+            kv_group=attn.attn.kv_group, lora_targets=tuple(projections)))
     attn = layers[0].self_attn
     if len({layer.self_attn.attn.scale for layer in layers}) != 1:
         return None
@@ -113,8 +113,14 @@ class FusedDecodeStep:
             if lora.row_slot is None:
                 return None  # no slots given: the modules add the deltas
             self._bind_lora(decoder, lora.slots)
-        return decoder.forward(hidden, positions, kv_caches, meta.slot_mapping, meta.decode_block_tables,
-                               meta.decode_seq_lens, None if lora is None else lora.row_slot)
+        slots, tables = meta.slot_mapping, meta.decode_block_tables
+        assert tables is not None, "a decode-only batch has its block tables"
+        if meta.kv_groups:  # several KV cache groups: each layer reads its group's row
+            slots = torch.stack([slots, *(group.slot_mapping for group in meta.kv_groups)])
+            tables = torch.stack([tables, *(g.decode_block_tables for g in meta.kv_groups
+                                            if g.decode_block_tables is not None)])
+        return decoder.forward(hidden, positions, kv_caches, slots, tables, meta.decode_seq_lens,
+                               None if lora is None else lora.row_slot)
 
     def _bind_lora(self, decoder: FusedDecoder, slots: tuple[LoRAModel | None, ...]) -> None:
         """Point the C side's slots at `slots`' adapters, rewriting only the slots whose adapter changed."""

@@ -126,8 +126,7 @@ class Gemma3ForCausalLM(nn.Module):
 
     def _run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                     meta: AttentionMetadata) -> torch.Tensor:
-        # The one-call step reads one block table for every layer: not yet the per-group tables of a hybrid cache.
-        fused = self.fused_step.run(hidden, positions, kv_caches, meta) if not meta.kv_groups else None
+        fused = self.fused_step.run(hidden, positions, kv_caches, meta)
         if fused is not None:
             return fused
         ropes = {layer_type: rotary.tables(positions, hidden) for layer_type, rotary in self.rotary_embs.items()}
