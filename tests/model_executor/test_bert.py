@@ -50,17 +50,19 @@ def tiny_bert(tmp_path_factory, minilm_dir):
     return path, model
 
 
-def test_tiny_bert_equals_transformers(tiny_bert):
+@pytest.mark.parametrize("pooling", [None, "mean"])  # None: a plain BertModel's default, CLS
+def test_tiny_bert_equals_transformers(tiny_bert, pooling):
     path, model = tiny_bert
     rng = random.Random(0)
     # One token (laid out as a decode row), a few, and many, all in one step.
     prompts = [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 2, 7, 40, 100)]
-    llm = LLM(model=str(path), pooling="mean", dtype="float32")
+    llm = LLM(model=str(path), pooling=pooling, dtype="float32")
     outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompts])
     for ids, output in zip(prompts, outputs):
         with torch.inference_mode():
             hidden = model(torch.tensor([ids])).last_hidden_state[0].double()
-        assert cosine(output.outputs.embedding, hidden.mean(dim=0).numpy()) >= MIN_COSINE
+        expected = hidden.mean(dim=0) if pooling == "mean" else hidden[0]
+        assert cosine(output.outputs.embedding, expected.numpy()) >= MIN_COSINE
 
 
 def test_plain_bert_pools_cls_and_encoders_run_unchunked_uncached(tiny_bert):
