@@ -138,3 +138,40 @@ def test_constrained_and_stop_string_requests_run_without_drafts_beside_speculat
     assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in base]
     stats = llm.llm_engine.engine_core.scheduler.spec_decoding_stats
     assert 0 < stats.num_drafts <= 2 * 15, "only the two plain requests draft, at most once per decode step"
+
+
+def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at each output position: [len(output_ids), vocab]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0, len(prompt_ids) - 1:-1]
+    return logits.float().log_softmax(-1)
+
+
+def test_sampled_requests_speculate_within_the_target_and_with_its_logprobs(tiny, prompts):
+    """Temperature > 0 speculates (rejection sampling; its statistics are in tests/spec_decode): every emitted token,
+    drafted or not, lies in transformers' top-k at its position, and its logprobs are transformers'."""
+    model_dir, hf = tiny
+    llm = make_llm(model_dir, spec=True)
+    params = SamplingParams(temperature=0.5, top_k=3, max_tokens=24, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(prompts, params)
+    assert accepted(llm) > 0, "drafts were meant to be kept at temperature > 0 too"
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        reference = hf_logprobs(hf, prompt["prompt_token_ids"], list(completion.token_ids))
+        for position, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert token in reference[position].topk(3).indices.tolist()
+            assert entry[token].logprob == pytest.approx(reference[position, token].item(), abs=1e-3)
+    llm.llm_engine.engine_core.scheduler.check_consistency()
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny, prompts):
+    model_dir, _ = tiny
+    llm = make_llm(model_dir, spec=True)
+    seeded = [SamplingParams(temperature=0.3, top_k=3, top_p=0.95, seed=11 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    alone = [token_ids(llm.generate([prompt], params))[0] for prompt, params in zip(prompts, seeded)]
+    assert accepted(llm) > 0, "the seeded requests were meant to keep drafts"
+    # Together, in reverse order, beside an unseeded request and a greedy one.
+    extra = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True), greedy(8)]
+    together = token_ids(llm.generate(prompts[::-1] + prompts[:2], seeded[::-1] + extra))
+    assert together[:len(prompts)] == alone[::-1]

@@ -23,8 +23,8 @@ from pagellm.core.sched.policy import SchedulingPolicy
 from pagellm.core.sched.queues import RequestQueues
 from pagellm.core.sched.step_limits import StepLimiter, StepLimits
 from pagellm.core.sched.worker_view import WorkerView
+from pagellm.spec_decode.adaptive import AdaptiveDrafter
 from pagellm.spec_decode.eligibility import may_speculate
-from pagellm.spec_decode.ngram_proposer import NgramProposer
 
 
 def num_sequences(request: Request) -> int:
@@ -53,7 +53,7 @@ class BatchPlanner:
         self.policy = SchedulingPolicy(config)
         self.limiter = StepLimiter(config, self.policy)
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.drafter = AdaptiveDrafter(spec) if spec is not None else None
         # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
         # their part of the newest such batch: not preempted, nor scheduled again until their results are applied
         # (with async scheduling: unless they may continue without them).
@@ -157,11 +157,11 @@ class BatchPlanner:
     def _draft(self, request: Request, token_budget: int) -> list[int]:
         """Speculative decoding: the draft tokens a decoding request verifies this step, within the token budget,
         and no more than could be emitted before max_tokens or max_model_len."""
-        if self.proposer is None or not may_speculate(request):
+        if self.drafter is None or not may_speculate(request):
             return []
         room = min(token_budget, request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
-        return self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+        return self.drafter.propose(request, room)
 
     def _allocate_or_preempt(self, request: Request, num_slots: int, index: int, output: SchedulerOutput) -> bool:
         """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from

@@ -21,16 +21,19 @@ from pagellm.core.sched.queues import RequestQueues
 from pagellm.exceptions import failure_reason
 from pagellm.logger import init_logger
 from pagellm.spec_decode.metrics import SpecDecodingStats
+from pagellm.spec_decode.verify import num_accepted
 
 logger = init_logger(__name__)
 
 
 class ResultApplier:
-    def __init__(self, max_model_len: int, queues: RequestQueues, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, max_model_len: int, queues: RequestQueues, kv_cache_manager: KVCacheManager,
+                 drafter: AdaptiveDrafter | None = None) -> None:
         self.max_model_len = max_model_len
         self.queues = queues
         self.kv_cache_manager = kv_cache_manager
         self.spec_stats = SpecDecodingStats()
+        self.drafter = drafter  # speculative decoding: told how each draft fared (it sets draft lengths)
 
     def apply(self, output: SchedulerOutput, sampled: dict[str, list[int]], logprobs: dict[str, list] | None,
               prompt_logprobs: dict | None, errors: dict[str, str],
@@ -107,20 +110,20 @@ class ResultApplier:
 
     def _accept_draft(self, request: Request, scheduled: ScheduledRequest, tokens: list[int],
                       entries: list | None) -> list[Request]:
-        """Speculative decoding, greedy verification: `tokens` holds the target's token at each of the 1 + k
-        positions. Draft tokens are kept while they equal the target's; the target's token at the first mismatch
-        (or after the whole draft) comes with them. Emission stops at a stop condition. The K/V of rejected
-        positions is dropped by moving `num_computed_tokens` back (their slots are overwritten later; the blocks
-        stay with the request, which writes them next)."""
+        """Speculative decoding: `tokens` holds the token sampled at each of the 1 + k positions. Draft tokens are
+        kept while they equal the samples, and the sample after them comes with them (rejection sampling, see
+        spec_decode/verify.py). Emission stops at a stop condition. The K/V of rejected positions is dropped by
+        moving `num_computed_tokens` back (their slots are overwritten later; the blocks stay with the request,
+        which writes them next)."""
         draft = scheduled.spec_token_ids
-        num_accepted = 0
-        while num_accepted < len(draft) and draft[num_accepted] == tokens[num_accepted]:
-            num_accepted += 1
-        self.spec_stats.observe(len(draft), num_accepted)
+        num_kept = num_accepted(draft, tokens)
+        self.spec_stats.observe(len(draft), num_kept)
+        if self.drafter is not None:
+            self.drafter.observe(request, len(draft), num_kept)
         # Computed: the step's first input (the last known token) and the accepted draft tokens.
-        num_computed = scheduled.num_computed_tokens + scheduled.num_tokens - len(draft) + num_accepted
+        num_computed = scheduled.num_computed_tokens + scheduled.num_tokens - len(draft) + num_kept
         request.num_step_tokens = 0
-        for index, token in enumerate(tokens[:num_accepted + 1]):
+        for index, token in enumerate(tokens[:num_kept + 1]):
             request.num_step_tokens += 1
             if entries is not None:
                 request.logprobs.append(entries[index])

@@ -58,7 +58,7 @@ class Scheduler:
         worker_view = WorkerView(kv_cache_manager)  # what the workers hold of each sequence
         self.queues = RequestQueues(config, kv_cache_manager, worker_view)
         self.planner = BatchPlanner(config, max_model_len, self.queues, kv_cache_manager, worker_view)
-        self.applier = ResultApplier(max_model_len, self.queues, kv_cache_manager)
+        self.applier = ResultApplier(max_model_len, self.queues, kv_cache_manager, self.planner.drafter)
         # Ids the workers must drop that no batch has carried yet (a step with nothing to run is not sent).
         self._unsent_dropped_ids: list[str] = []
         self._finished_beam_groups: list[BeamGroup] = []

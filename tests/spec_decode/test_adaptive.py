@@ -1,0 +1,89 @@
+"""The adaptive draft length: a request's drafts follow its acceptance, stop when they do not pay, and come back
+through probes whose spacing doubles while they fail."""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+import pytest
+
+from pagellm.config import SpeculativeConfig
+from pagellm.spec_decode import adaptive
+from pagellm.spec_decode.adaptive import AdaptiveDrafter, best_length, expected_tokens, verify_cost
+
+
+@dataclass(eq=False)
+class FakeRequest:
+    # A sequence that always repeats: prompt lookup always finds a draft.
+    all_token_ids: list[int] = field(default_factory=lambda: [5, 6, 7, 8, 9] * 6)
+
+
+def drafter(k: int = 4) -> AdaptiveDrafter:
+    return AdaptiveDrafter(SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3))
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.3, 0.8, 1.0])
+def test_expected_tokens_is_the_geometric_sum(rate):
+    # Position i is reached (and its draft kept) with probability rate^i; the step emits kept drafts + 1.
+    for k in range(1, 6):
+        assert expected_tokens(rate, k) == pytest.approx(sum(rate ** i for i in range(k + 1)))
+
+
+def test_best_length_pays_against_a_plain_step():
+    assert best_length(0.0, 4) == 0
+    assert best_length(1.0, 4) >= 1
+    for rate in (0.2, 0.5, 0.7, 0.9, 1.0):
+        k = best_length(rate, 4)
+        if k:
+            assert expected_tokens(rate, k) > verify_cost(k)
+        else:
+            assert all(expected_tokens(rate, j) <= verify_cost(j) for j in range(1, 5))
+
+
+def run(d: AdaptiveDrafter, request: FakeRequest, steps: int, accept) -> list[int]:
+    """`steps` decode steps; `accept(step, draft)` says how many of the draft the target keeps. Returns each step's
+    draft length."""
+    lengths = []
+    for step in range(steps):
+        draft = d.propose(request, room=100)
+        lengths.append(len(draft))
+        if draft:
+            d.observe(request, len(draft), accept(step, draft))
+    return lengths
+
+
+def test_rejected_drafts_switch_off_then_probes_back_off():
+    d, request = drafter(), FakeRequest()
+    lengths = run(d, request, 200, lambda step, draft: 0)
+    first_off = lengths.index(0)
+    assert first_off <= 4, "drafting that never pays stops within a few steps"
+    probes = [i for i in range(first_off, 200) if lengths[i]]
+    assert all(lengths[i] == 1 for i in probes), "a probe drafts one token"
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [8, 16, 32, 64] and set(gaps[4:]) == {adaptive.MAX_PROBE_WAIT}
+    assert sum(lengths[first_off:]) / (200 - first_off) < 0.1  # at most a one-token verify now and then
+
+
+def test_accepted_drafts_keep_drafting_and_a_good_probe_turns_it_back_on():
+    d, request = drafter(), FakeRequest()
+    lengths = run(d, request, 20, lambda step, draft: len(draft))
+    assert 0 not in lengths and lengths[-1] >= 2 and lengths == sorted(lengths), "drafts lengthen as they pay"
+    lengths = run(d, request, 60, lambda step, draft: 0 if step < 20 else len(draft))
+    assert 0 in lengths[:30], "it stopped while the drafts failed"
+    back = max(i for i, n in enumerate(lengths) if n == 0) + 1
+    assert back < 45 and 0 not in lengths[back:] and lengths[-1] >= 2
+
+
+def test_each_request_has_its_own_length_and_its_state_goes_with_it():
+    d, copying, writing = drafter(), FakeRequest(), FakeRequest()
+    for _ in range(10):
+        for request, kept in ((copying, len), (writing, lambda draft: 0)):
+            draft = d.propose(request, room=100)
+            if draft:
+                d.observe(request, len(draft), kept(draft))
+    assert len(d.propose(copying, room=100)) >= 2
+    assert d.propose(writing, room=100) == []
+    assert d.propose(copying, room=1) and len(d.propose(copying, room=1)) == 1  # never past the room
+    del writing, request  # the loop variable held it too
+    gc.collect()
+    assert len(d.states) == 1
