@@ -20,6 +20,7 @@ from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched.queues import RequestQueues
 from pagellm.exceptions import failure_reason
 from pagellm.logger import init_logger
+from pagellm.spec_decode.adaptive import AdaptiveDrafter
 from pagellm.spec_decode.metrics import SpecDecodingStats
 from pagellm.spec_decode.verify import num_accepted
 
