@@ -249,10 +249,11 @@ class RemoteServer:
         raise TimeoutError(f"the server did not start in {SERVER_START_TIMEOUT_S} s:\n{self.log()}")
 
     def metrics(self, per_engine: bool = False) -> dict[tuple[str, tuple], float]:
-        """/metrics as {(sample name, sorted labels other than model_name): value}; summed over the engines
-        (data-parallel replicas) unless `per_engine`, which keeps their `engine` label."""
+        """/metrics as {(sample name, sorted labels other than model_name and endpoint): value}; summed over the
+        API endpoints, and over the engines (data-parallel replicas) unless `per_engine`, which keeps their `engine`
+        label."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        dropped = {"model_name"} if per_engine else {"model_name", "engine"}
+        dropped = {"model_name", "endpoint"} if per_engine else {"model_name", "engine", "endpoint"}
         metrics: dict[tuple[str, tuple], float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

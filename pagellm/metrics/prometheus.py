@@ -3,7 +3,8 @@
 Scheduler gauges (running, waiting, KV usage and blocks, token efficiency, the host tier) and cumulative counters
 (preemptions, prefix cache queries and hits, swapped blocks) are read from the engines' latest scheduler snapshots
 at scrape time; token counters and latency histograms are recorded from IterationStats. Every series carries an
-`engine` label, as vLLM's do: the data-parallel replica ("0" without data parallelism).
+`engine` label, as vLLM's do: the data-parallel replica ("0" without data parallelism). `request_success_total` also
+carries the API `endpoint` the request came through (its path; a /v1/batches job's lines count as /v1/batches).
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ class PrometheusStatLogger(StatLoggerBase):
     `cache_config_info`), so dashboards can tell the block size and the cache's element type."""
 
     def __init__(self, model_name: str, replica_stats: Callable[[], list[SchedulerStats]],
-                 cache_config_info: dict[str, str] | None = None) -> None:
+                 cache_config_info: dict[str, str] | None = None, endpoints: tuple[str, ...] = ()) -> None:
         self._model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerCollector(model_name, replica_stats))
@@ -127,10 +128,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prompt_tokens = counter("pagellm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("pagellm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = Counter("pagellm:request_success", "Count of successfully processed requests.",
-                                       [*labels, "finished_reason"], registry=self.registry)
-        for engine in range(num_engines):  # every reason is exported from the start, at 0
+                                       [*labels, "finished_reason", "endpoint"], registry=self.registry)
+        for engine in range(num_engines):  # every reason of every endpoint is exported from the start, at 0
             for reason in FINISH_REASONS:
-                self.request_success.labels(model_name=model_name, engine=str(engine), finished_reason=reason)
+                for endpoint in endpoints:
+                    self.request_success.labels(model_name=model_name, engine=str(engine), finished_reason=reason,
+                                                endpoint=endpoint)
         self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds",
                                               "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds",
@@ -152,7 +155,7 @@ class PrometheusStatLogger(StatLoggerBase):
             self.inter_token_latency[engine].observe(itl)
         for finished in iteration.finished_requests:
             self.request_success.labels(model_name=self._model_name, engine=str(engine),
-                                        finished_reason=finished.finish_reason).inc()
+                                        finished_reason=finished.finish_reason, endpoint=finished.endpoint).inc()
             self.e2e_request_latency[engine].observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.request_queue_time[engine].observe(finished.queue_time)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from pagellm.outputs import PoolingRequestOutput, RequestOutput
@@ -60,6 +61,11 @@ def aggregate_scheduler_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
     return total
 
 
+# The API endpoint (its path) a request came through, for request_success_total's `endpoint` label: the server sets it
+# for each HTTP request's handler and what it starts (entrypoints/openai/endpoint_label.py); a request's stats read it
+# when they are created. "" outside a server.
+REQUEST_ENDPOINT: ContextVar[str] = ContextVar("pagellm_request_endpoint", default="")
+
 STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update", "output_processing")
 
 
@@ -94,6 +100,7 @@ class FinishedRequestStats:
     queue_time: float | None  # None when the request was never scheduled (or produced no token)
     num_prompt_tokens: int
     num_generation_tokens: int
+    endpoint: str = ""  # see REQUEST_ENDPOINT
 
 
 @dataclass
@@ -119,6 +126,7 @@ class RequestStateStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     finish_reason: str | None = None
+    endpoint: str = field(default_factory=REQUEST_ENDPOINT.get)
 
     def update(self, output: RequestOutput | PoolingRequestOutput, now: float, iteration: IterationStats) -> None:
         # A pooling request's one output finishes its prefill and generates nothing.
@@ -144,7 +152,7 @@ class RequestStateStats:
         # Queue time: from arrival until the scheduler first gave the request a slot in a batch.
         queue_time = None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
         return FinishedRequestStats(finish_reason, now - self.arrival_time, queue_time, self.num_prompt_tokens,
-                                    self.num_generation_tokens)
+                                    self.num_generation_tokens, self.endpoint)
 
 
 class StatLoggerBase(ABC):

@@ -21,6 +21,7 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.anthropic_errors import AnthropicErrorMiddleware
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
 from pagellm.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimitMiddleware
+from pagellm.entrypoints.openai.endpoint_label import EndpointLabelMiddleware
 from pagellm.entrypoints.openai.errors import register_error_handlers
 from pagellm.entrypoints.openai.openapi import openapi_without_422
 from pagellm.entrypoints.openai.protocol_responses_api import DEFAULT_MAX_STORED_RESPONSES
@@ -78,6 +79,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(AnthropicErrorMiddleware)  # rewrites every error above on the Anthropic routes
+    app.add_middleware(EndpointLabelMiddleware)  # request_success_total's endpoint label
     for router in ROUTERS:
         app.include_router(router)
     add_web_routes(app, engine, state.history, api_key_required=bool(config.api_key))

@@ -122,5 +122,6 @@ def test_a_request_that_fails_in_the_engine_fails_alone(engine, monkeypatch):
         monkeypatch.undo()
         assert client.post("/v1/completions", json=good).json()["choices"][0]["text"] == expected
         metrics = client.get("/metrics").text
-        assert 'pagellm:request_success_total{engine="0",finished_reason="error",model_name="tiny"} 2.0' in metrics
+        assert ('pagellm:request_success_total{endpoint="/v1/completions",engine="0",finished_reason="error",'
+                'model_name="tiny"} 2.0') in metrics
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0

@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI, Request
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
+from pagellm.entrypoints.openai.endpoint_label import ENGINE_ENDPOINTS
 from pagellm.entrypoints.openai.protocol_responses_api import DEFAULT_MAX_STORED_RESPONSES
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -43,7 +44,8 @@ class ServerState:
         `chat_template`: a file path or the template itself (None: the tokenizer's own); `max_stored_responses`:
         how many stored Responses API responses are kept."""
         metrics = PrometheusStatLogger(served_model_names[0], engine.get_replica_scheduler_stats,
-                                       engine.config.cache_config.metrics_info(engine.config.model_config.dtype))
+                                       engine.config.cache_config.metrics_info(engine.config.model_config.dtype),
+                                       ENGINE_ENDPOINTS)
         engine.add_stat_logger(metrics)
         history = StatsHistory(engine.get_scheduler_stats)
         engine.add_stat_logger(history)
