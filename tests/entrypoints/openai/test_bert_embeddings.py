@@ -1,6 +1,6 @@
 """An encoder served: `pagellm serve` on all-MiniLM-L6-v2 (a BertModel, so the pooling runner) answers
 `POST /v1/embeddings` through the openai SDK with sentence-transformers' vectors, `/score` with their cosine
-similarity, and a completion with a 400 that says why, and keeps serving."""
+similarity, and a completion with a 400 that says why, and keeps serving with no KV block held."""
 from __future__ import annotations
 
 import httpx
@@ -60,3 +60,4 @@ def test_generation_is_refused_and_the_server_keeps_serving(minilm_server, minil
         minilm_client.completions.create(model=minilm_server.model_name, prompt="hello", max_tokens=2)
     response = minilm_client.embeddings.create(model=minilm_server.model_name, input="still serving")
     assert len(response.data[0].embedding) == 384
+    assert minilm_server.wait_until_idle()[("pagellm:kv_cache_usage_perc", ())] == 0  # no block left held
