@@ -73,8 +73,8 @@ def use_avx2() -> bool:
 
 @cache
 def use_avx512() -> bool:
-    """The tile path's AVX-512 variant (the same floats as AVX2's, twice as wide) when the CPU has AVX-512F, unless
-    PAGELLM_CPU_ISA asks for avx2 or scalar."""
+    """The AVX-512F variants of the tile path and of the small-M float32-activation kernels (the same floats as
+    AVX2's, twice as wide) when the CPU has AVX-512F, unless PAGELLM_CPU_ISA asks for avx2 or scalar."""
     return envs.cpu_isa() not in ("scalar", "avx2") and bool(loaded().pagellm_cpu_has_avx512())
 
 

@@ -17,8 +17,9 @@
  * PyTorch uses).
  *
  * Each function has an AVX2+FMA+F16C version (target attribute) and a portable scalar version; the caller picks
- * with `use_avx2`, after asking pagellm_cpu_has_avx2(). The tile path also has an AVX-512 version, taken with
- * `use_avx512` (pagellm_cpu_has_avx512()), which computes the same floats twice as wide.
+ * with `use_avx2`, after asking pagellm_cpu_has_avx2(). The tile path and the small-M path's float32-activation
+ * kernels of the float and 32-weight types also have an AVX-512F version, taken with `use_avx512`
+ * (pagellm_cpu_has_avx512()), which computes the same floats twice as wide.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -36,7 +37,7 @@
  * k are unused. */
 typedef struct pagellm_matrix {
     int32_t type, use_avx2, int8_activations; /* int8_activations: linear_int8.inc's arithmetic at small M */
-    int32_t use_avx512;                       /* the tile path's AVX-512 variant (same floats) */
+    int32_t use_avx512;                       /* the AVX-512 variants (same floats) */
     const uint8_t *w;
     int64_t row_bytes, n, k, grouped_rows; /* grouped_rows: rows [0, grouped_rows) interleaved by four */
     int64_t num_parts;
@@ -129,17 +130,18 @@ AVX2 static inline float hsum(__m256 v) {
 #include "linear_tiles.inc"
 
 /* ---- small M: the block decoded in registers, no buffer (linear_fused.inc; linear_int8.inc when opted in) --- */
-#define FUSED_MAX_M 4 /* activation rows per kernel call: the register budget */
+/* Activation rows per kernel call: AVX2's register budget. The AVX-512 kernels take as many: their 32 registers
+ * would hold 8 rows' accumulators, but spilled the rest (1.4x the time of two calls of 4 at 8 rows, 1.25x at 6). */
+#define FUSED_MAX_M 4
 /* Up to how many rows the small-M path beats dequantized tiles, calling the kernels FUSED_MAX_M rows at a time
  * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12; against
  * linear_tiles.inc on TinyLlama's, 1.0-1.2x at 8); with int8 activations up to 48 on the 32-weight types (1.8x at
  * 8; at 48 even on Q4_1; 0.9x at 128 against linear_tiles.inc); float weights only at FUSED_MAX_M (0.96x at 5).
  * K-quants with int8 activations take the small-M path at any length: against linear_tiles.inc on TinyLlama's
- * shapes it measured 1.2-1.25x at 64 rows and 1.05-1.15x at 512 (Q3_K 1.1x at 64, even from 128). */
+ * shapes it measured 1.2-1.25x at 64 rows and 1.05-1.15x at 512 (Q3_K 1.1x at 64, even from 128). The limits are
+ * the same with and without AVX-512: the two paths compute different floats, and every CPU must pick the same. */
 #define PACKED_FUSED_MAX_ROWS 8
 #define INT8_MAX_ROWS 48
-#include "linear_int8.inc"
-#include "linear_fused.inc"
 
 /* One call per m (1..FUSED_MAX_M), each a constant the kernel is specialised for. Kept as a table, one case a line
  * (clang-format would give each case four). */
@@ -152,7 +154,11 @@ AVX2 static inline float hsum(__m256 v) {
     default: { const int M = 4; call; } break;                                                                        \
     }
 /* clang-format on */
+#include "linear_int8.inc"
+#include "linear_fused.inc"
 
+/* The AVX2 small-M work of one storage type: every type with float32 activations (exact_rows, linear_fused.inc),
+ * K-quants, and the 32-weight types with int8 activations. */
 AVX2 static inline __attribute__((always_inline)) void fused_typed(const int type, int64_t m, const pagellm_matrix *w,
                                                                    int64_t r0, int64_t r1, const activations *act,
                                                                    float *out, int64_t ldo) {
@@ -162,30 +168,53 @@ AVX2 static inline __attribute__((always_inline)) void fused_typed(const int typ
         else FOR_M(m, k_rows(type, M, w, r0, r1, act, out, ldo))
         return;
     }
-    if (is_block_type(type))
-        for (; r0 + 4 <= r1 && r0 + 4 <= w->grouped_rows; r0 += 4) {
-            const uint8_t *group = w->w + r0 * w->row_bytes;
-            if (int8) FOR_M(m, group_gemm(type, M, group, w->k / 32, act, out + r0, ldo, 1))
-            else FOR_M(m, group_gemm(type, M, group, w->k / 32, act, out + r0, ldo, 0))
-        }
-    FOR_M(m, fused_rows(type, M, w, r0, r1, act, out, ldo)) /* float types, and rows outside the groups (float) */
+    if (!int8) {
+        exact_rows_avx2(type, m, w, r0, r1, act, out, ldo);
+        return;
+    }
+    for (; r0 + 4 <= r1 && r0 + 4 <= w->grouped_rows; r0 += 4)
+        FOR_M(m, group_rows_q8(type, M, w->w + r0 * w->row_bytes, w->k / 32, act, out + r0, ldo))
+    FOR_M(m, block_rows(type, M, w, r0, r1, act, out, ldo)) /* rows outside the groups (float32 activations) */
 }
+
+/* Each storage type a constant the kernels are specialised for: a table by type family (clang-format cannot see
+ * that a FUSED_TYPE is a whole case). */
+#define FUSED_TYPE(kernel, t)                                                                                          \
+    case t:                                                                                                            \
+        kernel(t, m, w, r0, r1, act, out, ldo);                                                                        \
+        return;
 
 /* Rows [r0, r1) of out for m <= FUSED_MAX_M activation rows; k a multiple of 32. */
 AVX2 static void fused_avx2(const pagellm_matrix *w, int64_t m, int64_t r0, int64_t r1, const activations *act,
                             float *out, int64_t ldo) {
-    /* each storage type a constant the kernels are specialised for; a table by type family (clang-format cannot
-     * see that a FUSED_TYPE is a whole case) */
     /* clang-format off */
-#define FUSED_TYPE(t) case t: fused_typed(t, m, w, r0, r1, act, out, ldo); return;
     switch (w->type) {
-    FUSED_TYPE(T_F32) FUSED_TYPE(T_F16) FUSED_TYPE(T_BF16)
-    FUSED_TYPE(T_Q4_0) FUSED_TYPE(T_Q4_1) FUSED_TYPE(T_Q5_0) FUSED_TYPE(T_Q5_1) FUSED_TYPE(T_Q8_0)
-    FUSED_TYPE(T_Q2_K) FUSED_TYPE(T_Q3_K) FUSED_TYPE(T_Q4_K) FUSED_TYPE(T_Q5_K) FUSED_TYPE(T_Q6_K)
-    FUSED_TYPE(T_IQ4_NL) FUSED_TYPE(T_IQ4_XS)
+    FUSED_TYPE(fused_typed, T_F32) FUSED_TYPE(fused_typed, T_F16) FUSED_TYPE(fused_typed, T_BF16)
+    FUSED_TYPE(fused_typed, T_Q4_0) FUSED_TYPE(fused_typed, T_Q4_1) FUSED_TYPE(fused_typed, T_Q5_0)
+    FUSED_TYPE(fused_typed, T_Q5_1) FUSED_TYPE(fused_typed, T_Q8_0) FUSED_TYPE(fused_typed, T_IQ4_NL)
+    FUSED_TYPE(fused_typed, T_Q2_K) FUSED_TYPE(fused_typed, T_Q3_K) FUSED_TYPE(fused_typed, T_Q4_K)
+    FUSED_TYPE(fused_typed, T_Q5_K) FUSED_TYPE(fused_typed, T_Q6_K) FUSED_TYPE(fused_typed, T_IQ4_XS)
     }
-#undef FUSED_TYPE
     /* clang-format on */
+}
+
+/* fused_avx2's floats, for float32 activations and a float or 32-weight block type (fused_exact_avx512 says
+ * which); the rest runs fused_avx2. */
+AVX512 static void fused_avx512(const pagellm_matrix *w, int64_t m, int64_t r0, int64_t r1, const activations *act,
+                                float *out, int64_t ldo) {
+    /* clang-format off */
+    switch (w->type) {
+    FUSED_TYPE(exact_rows_avx512, T_F32) FUSED_TYPE(exact_rows_avx512, T_F16) FUSED_TYPE(exact_rows_avx512, T_BF16)
+    FUSED_TYPE(exact_rows_avx512, T_Q4_0) FUSED_TYPE(exact_rows_avx512, T_Q4_1) FUSED_TYPE(exact_rows_avx512, T_Q5_0)
+    FUSED_TYPE(exact_rows_avx512, T_Q5_1) FUSED_TYPE(exact_rows_avx512, T_Q8_0) FUSED_TYPE(exact_rows_avx512, T_IQ4_NL)
+    }
+    /* clang-format on */
+}
+#undef FUSED_TYPE
+
+/* Whether fused_avx512 takes this matrix's small-M work (K-quants and int8 activations stay AVX2). */
+static int fused_exact_avx512(const pagellm_matrix *w, int int8) {
+    return w->use_avx512 && !int8 && !is_k_type(w->type);
 }
 
 int pagellm_cpu_has_avx2(void) {
@@ -300,6 +329,7 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
         /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
          * rows, which stay in cache between them: the weights are still streamed from memory once. */
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */
+        const int wide = fused_exact_avx512(w, int8);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t r0 = 0; r0 < n; r0 += chunk)
             for (int64_t a0 = 0; a0 < m; a0 += FUSED_MAX_M) {
@@ -310,8 +340,9 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
                                          .q = int8 ? q + a0 * k : NULL,
                                          .scale = scale + a0 * (k / group),
                                          .qsum16 = qsum16 + a0 * (k / 16)};
-                fused_avx2(w, m - a0 < FUSED_MAX_M ? m - a0 : FUSED_MAX_M, r0, r0 + chunk < n ? r0 + chunk : n, &act,
-                           out + a0 * ldo, ldo);
+                const int64_t rows = m - a0 < FUSED_MAX_M ? m - a0 : FUSED_MAX_M, r1 = r0 + chunk < n ? r0 + chunk : n;
+                if (wide) fused_avx512(w, rows, r0, r1, &act, out + a0 * ldo, ldo);
+                else fused_avx2(w, rows, r0, r1, &act, out + a0 * ldo, ldo);
             }
         free(xsum);
         return 0;

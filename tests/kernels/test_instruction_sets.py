@@ -1,8 +1,8 @@
 """Every C kernel is built for one instruction set, whatever the CPU has beyond it: AVX2, FMA and F16C (x86-64-v3)
 where the CPU has them. Built with -march=native, the AMD EPYCs (AVX-512) here summed RMSNorm's squares 16 floats
 wide and the Intel Xeons (AVX-512, tuned for 256-bit vectors) 8 wide, so the two computed different logprobs. The one
-exception is written by hand: linear_cpu.c's AVX-512 tiles (functions named *_avx512), which compute the AVX2 tiles'
-floats (tests/kernels/test_linear_cpu.py checks that)."""
+exception is written by hand: linear_cpu.c's AVX-512 tiles and small-M kernels (functions named *_avx512), which
+compute the AVX2 kernels' floats (tests/kernels/test_linear_cpu.py checks that)."""
 from __future__ import annotations
 
 import re

@@ -1,7 +1,7 @@
 """The packed-weight C kernel (kernels/linear_cpu.c) against NumPy: the gguf package's own dequantizer and a
 float64 matmul. Every storage type, every instruction path (AVX-512 tiles, AVX2 and the portable scalar fallback),
-decode-sized and larger batches, odd shapes and strided activations; and the AVX-512 tiles against the AVX2 ones, float
-for float."""
+decode-sized and larger batches, odd shapes and strided activations; and the AVX-512 tiles and small-M kernels against
+the AVX2 ones, float for float."""
 from __future__ import annotations
 
 import gguf
@@ -143,6 +143,27 @@ def test_avx512_tiles_compute_the_avx2_floats(threads, qtype):
         wide = matmul(x)
         matmul._matrix.use_avx512 = 0
         assert torch.equal(wide, matmul(x)), f"{rows} rows"
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_avx512_small_batches_compute_the_avx2_floats(threads, qtype):
+    """The exact small-M kernels' AVX-512 variant (1-8 activation rows, float32 activations: float types and the
+    32-weight block types) runs the AVX2 kernels' chains of FMAs, two of their vectors per register: the same floats.
+    Rows in groups of four and n % 4 = 1 and 3 left outside them, several widths, strided activations."""
+    kernels.use_avx512.cache_clear()
+    if not kernels.use_avx512():
+        pytest.skip("this CPU has no AVX-512F (or PAGELLM_CPU_ISA turns it off)")
+    rng = np.random.default_rng(11)
+    for out_features, in_features in ((37, 96), (64, 288), (19, 1024)):
+        packed = encode(rng.standard_normal((out_features, in_features)).astype(np.float32), qtype)
+        matmul = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)
+        wide_x = torch.from_numpy(rng.standard_normal((8, in_features + 32)).astype(np.float32))
+        for rows in range(1, 9):
+            x = wide_x[:rows, 16:16 + in_features]  # a row stride wider than the row
+            matmul._matrix.use_avx512 = 1
+            wide = matmul(x)
+            matmul._matrix.use_avx512 = 0
+            assert torch.equal(wide, matmul(x)), f"{rows} rows, {out_features} x {in_features}"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 20])
