@@ -28,6 +28,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", type=Path, default=Path("sweep"),
                         help="writes OUTPUT.csv and OUTPUT.png")
+    parser.add_argument("--compare-max-num-seqs", type=lambda s: [int(m) for m in s.split(",")], default=None,
+                        help="comma-separated: with --target-tpot-ms, pagellm alone, the target against these fixed "
+                             "--max-num-seqs and the default, p99 TPOT per request (see sweep_target.py)")
 
 
 def row(result: LatencyResult, input_len: int, output_len: int) -> dict[str, float | str | int]:
@@ -71,6 +74,12 @@ def run(args: argparse.Namespace) -> None:
     from pagellm.benchmarks.throughput import load_hf_model
     from pagellm.engine.arg_utils import EngineArgs
 
+    if args.compare_max_num_seqs is not None:
+        if args.target_tpot_ms is None:
+            raise SystemExit("--compare-max-num-seqs compares fixed settings with a latency target: give "
+                             "--target-tpot-ms too.")
+        from pagellm.benchmarks import sweep_target
+        return sweep_target.run(args)
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     model_config = llm.llm_engine.config.model_config
     device = llm.llm_engine.config.device_config.device

@@ -72,8 +72,9 @@ class EngineCore:
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
-        # Since when the oldest batch in flight has had the workers: its scheduling, or the previous collection.
-        self._step_clock = 0.0
+        # Where the step collected next began, for the latency target's model of step time: the previous
+        # collection while work went on (the time between steps counts, as users see it), else its scheduling.
+        self._step_clock: float | None = None
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.num_stages = self.executor.max_concurrent_batches
         # Async scheduling keeps the next batch queued behind the running one (see core/sched/async_scheduling.py);
@@ -174,7 +175,7 @@ class EngineCore:
     # ---- the parts of a step --------------------------------------------------------------------------------
     def _schedule(self, max_scheduled: int | None, start: float) -> SchedulerOutput:
         output = self.scheduler.schedule(max_scheduled)
-        if not self._in_flight:
+        if self._step_clock is None:
             self._step_clock = start
         # Before submitting: an in-process executor runs the whole step inside submit_model, and the worker times
         # that itself (prepare_inputs, forward, sample).
@@ -189,6 +190,7 @@ class EngineCore:
 
     def _idle(self) -> EngineCoreOutputs:
         """Nothing was scheduled and nothing is in flight."""
+        self._step_clock = None
         if self.scheduler.waiting_for_fsm:
             # Only requests whose grammars compile are left: wait for one instead of spinning.
             self.structured_output_manager.wait_for_any(
@@ -212,11 +214,10 @@ class EngineCore:
             return EngineCoreOutputs(failed=self.scheduler.take_failed_groups())
         self._consecutive_failed_steps = 0
         collected = time.perf_counter()
-        # The scheduler's latency target learns the step time (collection to collection while batches queue).
-        self.scheduler.observe_step_time(output, collected - self._step_clock)
-        self._step_clock = collected
+        self.scheduler.observe_step_time(output, collected - (self._step_clock or collected))
         updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
                                                        result.prompt_logprobs, result.failed, result.pooler_output)
+        self._step_clock = collected if self.scheduler.has_unfinished_requests() else None
         self._sample_late_batch()
         outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],
                                     failed=self.scheduler.take_failed_groups())

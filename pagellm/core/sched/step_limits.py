@@ -3,9 +3,11 @@ prompt tokens the step may hold. Two rules set them, and without either the limi
 
 - A latency target (`--target-tpot-ms`): an online model of the step's time (step_time.py) caps the rows of a step
   so that its predicted time holds the target, and the prompt tokens that share a step with decodes to the time
-  left (at least PREFILL_RESERVE_TOKENS while work waits, budgeted in the cap, so queued requests keep starting).
-  The running sequences the policy ranks first run; the rest wait, keeping their KV blocks. Until the model has
-  seen enough steps the cap is the static `max_num_seqs`. At least one sequence always runs.
+  left. While work waits, PREFILL_SHARE of the step's variable time is kept for prompt tokens when the cap is set,
+  so that queued requests keep starting.
+  The running sequences the policy ranks first run; the rest wait, keeping their KV blocks (so a cap that falls
+  stalls requests that have started: the cap starts small, at WARMUP_ROWS, until the model has seen enough steps,
+  and grows as it learns). At least one sequence always runs.
 - Background work (priority policy): when the live requests do not all share one priority, those of the lowest
   (batch jobs, say) are background. While a request of higher priority waits, running background requests sit the
   step out (their rows and prompt chunks yield the step to it); otherwise background rows, admissions included,
@@ -23,7 +25,8 @@ from pagellm.core.sched.output import SchedulerOutput
 from pagellm.core.sched.policy import SchedulingPolicy
 from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
-PREFILL_RESERVE_TOKENS = 32
+PREFILL_SHARE = 0.25
+WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
 
 
 @dataclass
@@ -79,7 +82,10 @@ class StepLimiter:
         candidates = sorted(ready, key=lambda row: order(row[0])) if order is not None else list(ready)
         if self.policy.name == "priority" and (ready or waiting):
             candidates = self._background_share(limits, candidates, waiting)
-        if self.model is not None and self.model.ready and candidates:
+        if self.model is not None and not self.model.ready:
+            limits.max_seqs = min(limits.max_seqs, WARMUP_ROWS)
+            candidates = candidates[:WARMUP_ROWS]
+        elif self.model is not None and candidates:
             candidates = self._latency_cap(limits, candidates, bool(waiting))
         selected = {request.request_id for request, _ in candidates}
         limits.deferred = {request.request_id for request, _ in ready if request.request_id not in selected}
@@ -104,7 +110,7 @@ class StepLimiter:
         assert self.model is not None and self.target_s is not None
         contexts = [request.num_computed_tokens + num_new for request, num_new in candidates]
         prefills = any(num_new > 1 for _, num_new in candidates)
-        reserve = PREFILL_RESERVE_TOKENS if work_waits or prefills else 0
+        reserve = self.model.extra_tokens_within(PREFILL_SHARE, self.target_s) if work_waits or prefills else 0
         cap = max(1, self.model.rows_within(self.target_s, contexts, reserve))
         limits.max_seqs = min(limits.max_seqs, cap)
         candidates = candidates[:cap]

@@ -85,6 +85,12 @@ class StepTimeModel:
                 return rows
         return len(contexts)
 
+    def extra_tokens_within(self, share: float, target_s: float) -> int:
+        """Extra tokens that take this `share` of a step's time beyond its fixed cost (at least one; 0 while the
+        model has seen none)."""
+        a, d = self.coef[0], self.coef[3]
+        return max(1, int(share * (target_s - a) / d)) if d > 0 else 0
+
     def max_extra_tokens(self, target_s: float, shape: StepShape) -> int:
         """The most extra tokens (prompt chunk tokens) a step of this shape can add within `target_s`."""
         d = self.coef[3]
