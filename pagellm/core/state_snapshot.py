@@ -4,8 +4,9 @@ It reads scheduler and block-pool state that only the engine thread may touch, s
 steps (AsyncLLM.get_engine_state does that). It is compact because it is taken a few times a second while a
 dashboard is open: each pool is one string with a character per block (see BLOCK_CODES) rather than an object per
 block, and covers only the blocks created so far (the pools create blocks on first use; the rest are free and never
-used, so a host tier of millions of blocks costs nothing here either). Each request lists its block table as ids,
-without the entries freed because they fell out of a sliding window (counted apart).
+used, so a host tier of millions of blocks costs nothing here either). Each request lists the ids of the blocks it
+holds in every KV cache group (and per group), without the entries freed because they fell out of a sliding window
+(counted apart); `kv_cache_groups` gives each group's window, the blocks its tables hold and the blocks it freed.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def pool_state(pool: BlockPool) -> dict[str, Any]:
 
 
 def request_state(request: Request, manager: KVCacheManager) -> dict[str, Any]:
-    table = manager.req_to_blocks.get(request.request_id, [])
+    tables = [group.req_to_blocks.get(request.request_id, []) for group in manager.groups]
+    group_blocks = [[block.block_id for block in live(table)] for table in tables]
     return {
         "request_id": request.request_id,
         "group_id": request.group_id,  # the user's request: its n sequences or beams share it (and a colour)
@@ -55,10 +57,19 @@ def request_state(request: Request, manager: KVCacheManager) -> dict[str, Any]:
         "num_cached_tokens": request.num_cached_tokens,
         "num_preemptions": request.num_preemptions,
         "priority": request.priority,
-        "blocks": [block.block_id for block in live(table)],
-        "num_window_freed_blocks": len(table) - len(live(table)),
-        "host_blocks": [block.block_id for block in manager.req_to_host_blocks.get(request.request_id, ())],
+        "blocks": [block_id for blocks in group_blocks for block_id in blocks],
+        "group_blocks": group_blocks,  # per KV cache group
+        "num_window_freed_blocks": sum(len(table) for table in tables) - sum(map(len, group_blocks)),
+        "host_blocks": [block.block_id for group in manager.groups
+                        for block in group.req_to_host_blocks.get(request.request_id, ())],
     }
+
+
+def group_state(manager: KVCacheManager) -> list[dict[str, Any]]:
+    """Each KV cache group: its window (None: full attention), the blocks its tables hold (a block shared by forks
+    counted once per table) and the blocks it freed as they left its window, in all."""
+    return [{"window": group.window, "num_blocks": sum(len(live(t)) for t in group.req_to_blocks.values()),
+             "window_freed_blocks_total": group.num_window_freed_blocks} for group in manager.groups]
 
 
 def engine_state(scheduler: Scheduler) -> dict[str, Any]:
@@ -67,8 +78,9 @@ def engine_state(scheduler: Scheduler) -> dict[str, Any]:
     return {
         "block_size": manager.block_size,
         "prefix_caching": manager.enable_prefix_caching,
-        "sliding_window": manager.sliding_window,  # None unless blocks out of a window shared by all layers are freed
+        "sliding_window": manager.sliding_window,  # the window every layer shares (None: none, or several groups)
         "window_freed_blocks_total": manager.num_window_freed_blocks,
+        "kv_cache_groups": group_state(manager),
         "device": pool_state(manager.block_pool),
         "host": pool_state(manager.host_pool) if manager.host_pool is not None else None,
         "num_running": len(scheduler.running),

@@ -50,6 +50,11 @@ function showSummary(engine) {
   $("window-summary").hidden = engine.sliding_window === null;
   $("sliding-window").textContent = engine.sliding_window;
   $("window-freed").textContent = engine.window_freed_blocks_total;
+  // Several KV cache groups (Gemma 3: full attention and sliding windows): each one's blocks and the freed ones.
+  const groups = engine.kv_cache_groups || [];
+  $("group-summary").hidden = groups.length < 2;
+  $("kv-groups").textContent = groups.map((g, i) => `#${i} ${g.window === null ? "full" : `window ${g.window}`}: `
+    + `${g.num_blocks} held` + (g.window === null ? "" : `, ${g.window_freed_blocks_total} freed`)).join(" · ");
 }
 
 const COLUMNS = ["request", "status", "prompt computed / total", "generated / max", "blocks", "cached tokens",
