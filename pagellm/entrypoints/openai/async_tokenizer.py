@@ -62,13 +62,15 @@ class AsyncTokenizer:
         return await self._run(_convert_ids_to_tokens, token_ids)
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> str:
+                          tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                          continue_final_message: bool = False) -> str:
         """The chat template (the server's --chat-template, else the tokenizer's) applied to `messages` and
-        `tools`, as text; `template_kwargs` become the template's variables (vLLM's chat_template_kwargs).
-        transformers renders it in a sandboxed Jinja environment; template errors raise jinja2's TemplateError."""
+        `tools`, as text; `template_kwargs` become the template's variables (vLLM's chat_template_kwargs);
+        `continue_final_message` leaves the last message open for the model to continue (transformers'; a
+        ValueError when the template does not end with it). transformers renders it in a sandboxed Jinja
+        environment; template errors raise jinja2's TemplateError."""
         return await self._run(_render_chat, messages, self.chat_template, add_generation_prompt, tools,
-                               **(template_kwargs or {}))
+                               continue_final_message, **(template_kwargs or {}))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -88,9 +90,10 @@ def _convert_ids_to_tokens(tokenizer, token_ids: list[int]) -> list[str]:
 
 def _render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None,
                  add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
-                 **template_kwargs: Any) -> str:
+                 continue_final_message: bool = False, **template_kwargs: Any) -> str:
     return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
+                                         add_generation_prompt=add_generation_prompt, tools=tools,
+                                         continue_final_message=continue_final_message, **template_kwargs)
 
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "pagellm_probe_tool", "parameters": {"type": "object"}}}

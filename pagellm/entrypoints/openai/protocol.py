@@ -66,7 +66,23 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 class RequestModel(OpenAIBaseModel):
-    """A request body: the text of its fields must be valid Unicode (unknown fields are ignored unread)."""
+    """A request body: the text of its fields must be valid Unicode (unknown fields are ignored unread, except the
+    known ones listed in `unsupported_fields`: refused when set to anything but a neutral value: None, false, "",
+    [], {} or one of `neutral_values`)."""
+
+    unsupported_fields: ClassVar[dict[str, str]] = {}  # field -> why it is refused
+    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, reason in cls.unsupported_fields.items():
+                value = data.get(name)
+                if not any(value == neutral for neutral in _NEUTRAL_VALUES + cls.neutral_values.get(name, ())):
+                    raise PydanticCustomError("unsupported_field", "{field} is not supported: {reason}",
+                                              {"field": name, "reason": reason})
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -86,8 +102,6 @@ class StreamOptions(OpenAIBaseModel):
 class SamplingRequest(RequestModel):
     """The fields completions and chat completions share."""
 
-    # Field -> why it is refused when set to anything but a neutral value (None, false, "", [], {} or one of
-    # `neutral_values`).
     unsupported_fields: ClassVar[dict[str, str]] = {
         **{name: f"it was removed (vLLM now ignores it and returns unconstrained text); use {replacement}"
            for name, replacement in REMOVED_GUIDED_FIELDS.items()},
@@ -100,7 +114,6 @@ class SamplingRequest(RequestModel):
         "prompt_embeds": "prompt embeddings are not supported",
         "mm_processor_kwargs": "multimodal input is not supported",
     }
-    neutral_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str | None = None
     n: PositiveInt64 = 1
@@ -134,17 +147,6 @@ class SamplingRequest(RequestModel):
     # Constraints on the output: OpenAI's response_format, or vLLM's structured_outputs (not both).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, reason in cls.unsupported_fields.items():
-                value = data.get(name)
-                if not any(value == neutral for neutral in _NEUTRAL_VALUES + cls.neutral_values.get(name, ())):
-                    raise PydanticCustomError("unsupported_field", "{field} is not supported: {reason}",
-                                              {"field": name, "reason": reason})
-        return data
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self) -> SamplingRequest:
@@ -306,6 +308,20 @@ TEMPLATE_ARGUMENTS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+def check_template_fields(chat_template_kwargs: dict[str, Any] | None, add_generation_prompt: bool,
+                          continue_final_message: bool) -> None:
+    """What chat and tokenize requests pass to the chat template: kwargs that are only variables, and at most one
+    way to end the prompt (as vLLM)."""
+    for name in (chat_template_kwargs or {}):
+        if name in TEMPLATE_ARGUMENTS:
+            raise PydanticCustomError("invalid_field", "{field} cannot set {name!r}, which the server passes itself",
+                                      {"field": "chat_template_kwargs", "name": name})
+    if continue_final_message and add_generation_prompt:
+        raise PydanticCustomError("invalid_field", "{field} continues the last message, and add_generation_prompt "
+                                  "would start a new one; set add_generation_prompt to false",
+                                  {"field": "continue_final_message"})
+
+
 class ChatCompletionRequest(SamplingRequest):
     unsupported_fields: ClassVar[dict[str, str]] = {
         **SamplingRequest.unsupported_fields,
@@ -315,7 +331,6 @@ class ChatCompletionRequest(SamplingRequest):
         "prediction": "predicted outputs are not implemented",
         "web_search_options": "web search is not supported",
         "chat_template": "per-request chat templates are not accepted; start the server with --chat-template",
-        "continue_final_message": "continue_final_message is not implemented",
         "documents": "documents are not implemented",
         "echo": "echoing the last message is not implemented",
     }
@@ -328,6 +343,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: NonNegativeInt64 | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message left open for the model to continue (a prefilled answer); needs
+    # add_generation_prompt false.
+    continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the template already holds the special tokens it wants
     tools: Annotated[list[ChatCompletionToolsParam], Field(max_length=MAX_TOOLS)] | None = None
     # OpenAI's default: "auto" with tools, "none" without.
@@ -344,10 +362,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _template_kwargs_are_variables(self) -> ChatCompletionRequest:
-        for name in (self.chat_template_kwargs or {}):
-            if name in TEMPLATE_ARGUMENTS:
-                raise PydanticCustomError("invalid_field", "{field} cannot set {name!r}, which the server passes "
-                                          "itself", {"field": "chat_template_kwargs", "name": name})
+        check_template_fields(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message)
         if self.reasoning_effort is not None and "reasoning_effort" in (self.chat_template_kwargs or {}):
             raise PydanticCustomError("invalid_field", "{field} is set twice: as a field and in chat_template_kwargs; "
                                       "set it once", {"field": "reasoning_effort"})
@@ -403,11 +418,25 @@ class TokenizeCompletionRequest(RequestModel):
 
 
 class TokenizeChatRequest(RequestModel):
+    """vLLM's chat form of /tokenize: the prompt the chat endpoint would render for these fields."""
+
+    unsupported_fields: ClassVar[dict[str, str]] = {
+        name: ChatCompletionRequest.unsupported_fields[name]
+        for name in ("chat_template", "documents", "mm_processor_kwargs")}
+
     model: str | None = None
     messages: list[ChatMessageParam] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    tools: Annotated[list[ChatCompletionToolsParam], Field(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_fields(self) -> TokenizeChatRequest:
+        check_template_fields(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message)
+        return self
 
 
 class DetokenizeRequest(RequestModel):

@@ -110,7 +110,8 @@ class OpenAIServingChat(OpenAIServing):
         template_kwargs = self._template_kwargs(request)
         prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.add_special_tokens,
                                         truncating=params.truncate_prompt_tokens is not None, tools=tools,
-                                        template_kwargs=template_kwargs)
+                                        template_kwargs=template_kwargs,
+                                        continue_final_message=request.continue_final_message)
         self.check_length(prompt, params, "messages")
         reasoning = self._reasoning(request, mode, params, prompt["prompt"], template_kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

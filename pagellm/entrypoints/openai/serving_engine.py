@@ -84,18 +84,24 @@ class OpenAIServing:
     async def chat_prompt(self, messages: list[ChatMessageParam], add_generation_prompt: bool,
                           add_special_tokens: bool = False, truncating: bool = False,
                           tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> TokensPrompt:
-        """`template_kwargs`: the template's extra variables (chat_template_kwargs)."""
+                          template_kwargs: dict[str, Any] | None = None,
+                          continue_final_message: bool = False) -> TokensPrompt:
+        """`template_kwargs`: the template's extra variables (chat_template_kwargs); `continue_final_message`:
+        the last message left open, for the model to continue."""
         if not self.tokenizer.has_chat_template:
             raise OpenAIServingError("This model's tokenizer has no chat template; start the server with "
                                      "--chat-template, or use /v1/completions.")
         try:
             text = await self.tokenizer.render_chat([m.to_template_message() for m in messages],
-                                                    add_generation_prompt, tools, template_kwargs)
+                                                    add_generation_prompt, tools, template_kwargs,
+                                                    continue_final_message)
         except TemplateError as exc:
             raise OpenAIServingError(f"The chat template could not render these messages: {exc}",
                                      param="messages") from exc
         except (TypeError, ValueError, AttributeError) as exc:
+            if str(exc).startswith("continue_final_message is set"):  # transformers: no final text to continue
+                raise OpenAIServingError(f"The final message cannot be continued: {exc}",
+                                         param="continue_final_message") from exc
             if not template_kwargs:
                 raise
             # A request variable replaced one the template relies on (e.g. {"range": 1}).

@@ -12,8 +12,11 @@ class OpenAIServingTokenization(OpenAIServing):
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         self.model_name(request.model)
         if isinstance(request, TokenizeChatRequest):
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
             prompt = await self.chat_prompt(request.messages, request.add_generation_prompt,
-                                            request.add_special_tokens)
+                                            request.add_special_tokens, tools=tools,
+                                            template_kwargs=request.chat_template_kwargs,
+                                            continue_final_message=request.continue_final_message)
         else:
             prompt = await self.text_prompt(request.prompt, request.add_special_tokens)
         token_ids = prompt["prompt_token_ids"]

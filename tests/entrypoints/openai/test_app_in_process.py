@@ -125,3 +125,30 @@ def test_a_request_that_fails_in_the_engine_fails_alone(engine, monkeypatch):
         assert ('pagellm:request_success_total{endpoint="/v1/completions",engine="0",finished_reason="error",'
                 'model_name="tiny"} 2.0') in metrics
     assert engine.engine_core.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+# A template that reads a variable of chat_template_kwargs and lists the tools' names.
+KWARGS_TEMPLATE = ("{% if greeting is defined %}{{ greeting }}\n{% endif %}"
+                   "{% for tool in tools or [] %}[{{ tool.function.name }}]{% endfor %}" + TEMPLATE)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_tokenize_chat_form_takes_the_chat_fields(engine, tokenizer):
+    """vLLM's TokenizeChatRequest: chat_template_kwargs, tools and continue_final_message reach the template, and
+    the count equals the chat endpoint's prompt_tokens for the same fields."""
+    messages = MESSAGES + [{"role": "assistant", "content": "Hello, I"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "chat_template_kwargs": {"greeting": "Hey"}, "tools": TOOLS}
+    with app_client(engine, chat_template=KWARGS_TEMPLATE) as client:
+        tokens = client.post("/tokenize", json=body).json()["tokens"]
+        # The last message is left open: no newline after it.
+        assert tokens == tokenizer.encode("Hey\n[get_weather]<user>Hi there\n<assistant>Hello, I",
+                                          add_special_tokens=False)
+        chat = client.post("/v1/chat/completions", json={**body, "max_tokens": 1}).json()
+        assert chat["usage"]["prompt_tokens"] == len(tokens)
+        for bad, param in [({"add_generation_prompt": True}, "continue_final_message"),
+                           ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                           ({"chat_template": "{{ messages }}"}, "chat_template")]:
+            for path in ("/tokenize", "/v1/chat/completions"):
+                response = client.post(path, json={**body, **bad})
+                assert response.status_code == 400 and param in response.json()["error"]["message"], (path, bad)
