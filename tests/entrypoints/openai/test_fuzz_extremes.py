@@ -1,5 +1,5 @@
-"""Extreme values for every request field of POST /v1/completions, /v1/chat/completions, Anthropic's /v1/messages and
-OpenAI's /v1/responses, against a live server.
+"""Extreme values for every request field of POST /v1/completions, /v1/chat/completions, Anthropic's /v1/messages,
+OpenAI's /v1/responses, /v1/embeddings, vLLM's /score and /rerank and /tokenize's chat form, against a live server.
 
 Each Hypothesis example takes a small valid request (greedy, seeded sampling, min_tokens, streaming, logprobs,
 n > 1) and replaces one to three of its fields with an extreme or ill-typed value: integers at and beyond the
@@ -26,12 +26,14 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeChatRequest
 from pagellm.entrypoints.openai.protocol_anthropic import AnthropicMessagesRequest
+from pagellm.entrypoints.openai.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagellm.entrypoints.openai.protocol_responses_api import ResponsesRequest
 
 VOCAB_SIZE = 49152  # the tiny model's (SmolLM2's tokenizer)
 EXAMPLES_PER_ENDPOINT = 600
+EXAMPLES_PER_PROMPT_ENDPOINT = 150  # the endpoints that only read a prompt (pooling, tokenize): fewer fields
 REQUEST_TIMEOUT_S = 20  # the slowest legitimate request here takes a few seconds; past this it is a hang
 DRAIN_TIMEOUT_S = 15
 MIN_MUTATIONS_PER_FIELD = 3
@@ -198,6 +200,7 @@ CHAT_FIELDS = {
     "reasoning_effort": st.sampled_from([None, "low", "high", "x", 5, ""]),
     "include_reasoning": st.sampled_from(BOOLS),
     "thinking_token_budget": st.sampled_from(NUMBERS),
+    "continue_final_message": st.sampled_from(BOOLS),
 }
 
 ANTHROPIC_BLOCKS = [{"type": "text", "text": "hi"}, {"type": "text"}, {"type": "text", "text": NAN},
@@ -277,6 +280,36 @@ RESPONSES_FIELDS = {
     "service_tier": st.sampled_from(STRINGS + [5, None]),
 }
 
+TEXTS = st.one_of(st.sampled_from(STRINGS + [None, 5, {}]), _string_lists())
+EMBEDDING_FIELDS = {
+    "model": COMMON_FIELDS["model"],
+    "input": _prompts(),
+    "encoding_format": st.sampled_from(STRINGS + ["float", "base64", "FLOAT", 5, None]),
+    "dimensions": st.sampled_from(NUMBERS + [8, 64, 65]),
+    "user": COMMON_FIELDS["user"],
+    "add_special_tokens": st.sampled_from(BOOLS),
+    "priority": COMMON_FIELDS["priority"],
+    "normalize": st.sampled_from(BOOLS),
+}
+SCORE_FIELDS = {"model": COMMON_FIELDS["model"], "text_1": TEXTS, "text_2": TEXTS,
+                "priority": COMMON_FIELDS["priority"]}
+RERANK_FIELDS = {
+    "model": COMMON_FIELDS["model"],
+    "query": st.sampled_from(STRINGS + [None, 5, [], ["q"]]),
+    "documents": TEXTS,
+    "top_n": st.sampled_from(NUMBERS),
+    "return_documents": st.sampled_from(BOOLS),
+    "priority": COMMON_FIELDS["priority"],
+}
+TOKENIZE_CHAT_FIELDS = {
+    "model": COMMON_FIELDS["model"],
+    "messages": _messages(),
+    **{name: st.sampled_from(BOOLS)
+       for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens", "return_token_strs")},
+    "tools": CHAT_FIELDS["tools"],
+    "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
+}
+
 # For the names a request model declares it refuses (`unsupported_fields`: OpenAI or vLLM parameters that are not
 # implemented): anything at all, since any value but a neutral one must be a 400.
 ANY_VALUE = st.sampled_from(NUMBERS + STRINGS + BOOLS + [{"type": "json_object"}, {"type": "text"}, ["text"], "none",
@@ -304,6 +337,18 @@ CHAT_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
 MESSAGES_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **base}
                   for base in [{"temperature": 0}, {"temperature": 1.0, "top_k": 5}, {"stream": True},
                                {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}, "max_tokens": 4}]]
+EMBEDDING_BASES = [{"model": "tiny", "input": "Hi", **base}
+                   for base in [{}, {"input": ["Hi", "there"]}, {"input": [[5, 6], [7]]}, {"encoding_format": "base64"},
+                                {"dimensions": 8}]]
+# /score and /rerank wrap each pair in the yes/no judgement's prompt (84 tokens with SmolLM2's), beyond this server's
+# 48-token context: their fuzzing meets validation and the length check, and the engine stays sound after it.
+SCORE_BASES = [{"model": "tiny", "text_1": "q", "text_2": ["a", "b"]}, {"model": "tiny", "text_1": ["q"] * 2,
+                                                                        "text_2": ["a", "b"]}]
+RERANK_BASES = [{"model": "tiny", "query": "q", "documents": ["a", "b"], **base}
+                for base in [{}, {"top_n": 1}, {"return_documents": False}]]
+TOKENIZE_CHAT_BASES = [{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], **base}
+                       for base in [{}, {"return_token_strs": True}, {"add_generation_prompt": False,
+                                                                      "continue_final_message": True}]]
 RESPONSES_BASES = [{"model": "tiny", "input": "Hi", "max_output_tokens": 2, **base}
                    for base in [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.5}, {"stream": True},
                                 {"store": True}, {"tools": [RESPONSES_TOOL], "tool_choice": "required",
@@ -437,6 +482,16 @@ def assert_response_answer(response: httpx.Response, context: str) -> None:
         last["type"] == "error" and int(last.get("code") or 500) < 500), f"{context}: the stream ended with {last}"
 
 
+def assert_json_answer(response: httpx.Response, context: str) -> None:
+    """A 200 of the prompt-only endpoints: one JSON object holding its result (embeddings, scores, ranking, ids)."""
+    assert response.headers.get("content-type", "").startswith("application/json"), f"{context}: {response.headers}"
+    body = response.json()
+    assert isinstance(body, dict) and {"data", "results", "tokens"} & set(body), f"{context}: {response.text[:500]}"
+
+
+PROMPT_ENDPOINTS = ("/v1/embeddings", "/score", "/rerank", "/tokenize")
+
+
 def assert_completion_answer(response: httpx.Response, context: str) -> None:
     """A 200's body: one JSON object with choices, or server-sent events ending in [DONE] with no server error
     (a stream is told by its content type: pydantic reads "true" and 1 as a true `stream` too)."""
@@ -479,7 +534,7 @@ def send_and_check(server, http: httpx.Client, path: str, body: dict, declared: 
     anthropic = path.startswith("/v1/messages")
     if response.status_code == 200:
         (assert_message_answer if anthropic else assert_response_answer if path == "/v1/responses"
-         else assert_completion_answer)(response, context)
+         else assert_json_answer if path in PROMPT_ENDPOINTS else assert_completion_answer)(response, context)
     else:
         (assert_anthropic_error if anthropic else assert_openai_error)(response, context)
     return response.status_code
@@ -496,7 +551,8 @@ def fuzz(server, http: httpx.Client, path: str, model, bases: list[dict],
 
     # No shrinking: once a request has killed the engine every later one fails too, so a shrunk example would be
     # any request at all; the first failing example is the informative one, and each mutates only 1-3 fields.
-    @settings(max_examples=EXAMPLES_PER_ENDPOINT, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=EXAMPLES_PER_PROMPT_ENDPOINT if path in PROMPT_ENDPOINTS else EXAMPLES_PER_ENDPOINT,
+              derandomize=True, deadline=None, database=None,
               phases=[Phase.explicit, Phase.generate], print_blob=False,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                      HealthCheck.large_base_example])
@@ -549,6 +605,9 @@ def test_every_request_field_is_fuzzed():
     assert set(ChatCompletionRequest.model_fields) <= set(CHAT_FIELDS)
     assert set(AnthropicMessagesRequest.model_fields) <= set(MESSAGES_FIELDS)
     assert set(ResponsesRequest.model_fields) <= set(RESPONSES_FIELDS)
+    for model, fields in [(EmbeddingRequest, EMBEDDING_FIELDS), (ScoreRequest, SCORE_FIELDS),
+                          (RerankRequest, RERANK_FIELDS), (TokenizeChatRequest, TOKENIZE_CHAT_FIELDS)]:
+        assert set(model.model_fields) <= set(fields), model
 
 
 def test_server_is_sound_before_fuzzing(fuzz_server, http, greedy_text):
@@ -562,7 +621,12 @@ def test_server_is_sound_before_fuzzing(fuzz_server, http, greedy_text):
     ("/v1/messages", AnthropicMessagesRequest, MESSAGES_BASES,
      fuzzed_fields(AnthropicMessagesRequest, MESSAGES_FIELDS)),
     ("/v1/responses", ResponsesRequest, RESPONSES_BASES, fuzzed_fields(ResponsesRequest, RESPONSES_FIELDS)),
-], ids=["completions", "chat", "messages", "responses"])
+    ("/v1/embeddings", EmbeddingRequest, EMBEDDING_BASES, fuzzed_fields(EmbeddingRequest, EMBEDDING_FIELDS)),
+    ("/score", ScoreRequest, SCORE_BASES, fuzzed_fields(ScoreRequest, SCORE_FIELDS)),
+    ("/rerank", RerankRequest, RERANK_BASES, fuzzed_fields(RerankRequest, RERANK_FIELDS)),
+    ("/tokenize", TokenizeChatRequest, TOKENIZE_CHAT_BASES,
+     fuzzed_fields(TokenizeChatRequest, TOKENIZE_CHAT_FIELDS)),
+], ids=["completions", "chat", "messages", "responses", "embeddings", "score", "rerank", "tokenize-chat"])
 def test_extreme_values_get_a_200_or_a_400(fuzz_server, http, greedy_text, path, model, bases, fields):
     mutated, statuses = fuzz(fuzz_server, http, path, model, bases, fields)
     print(f"{path}: {sum(statuses.values())} requests, by status {dict(statuses)}; "
