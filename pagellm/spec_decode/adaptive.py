@@ -19,7 +19,7 @@ from pagellm.core.request import Request
 from pagellm.spec_decode.ngram_proposer import NgramProposer
 
 DECAY = 0.75
-PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 1.5  # a new request starts at r = 2/3: it drafts until its drafts fail
+PRIOR_ACCEPTED, PRIOR_TRIALS = 3.0, 3.75  # a new request starts at r = 0.8, worth about three verify steps
 PROBE_WAIT, MAX_PROBE_WAIT = 4, 64
 
 

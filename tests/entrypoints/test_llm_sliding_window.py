@@ -15,6 +15,7 @@ from teacher_forcing import assert_matches_transformers, check_teacher_forced, g
 
 from pagellm import LLM, SamplingParams
 from pagellm.kernels.decoder import FusedDecoder
+from pagellm.spec_decode import adaptive
 
 WINDOW = 16  # tests/conftest.py's "mistral" entry
 PROMPT_LENS = [5, 17, 100, 190, 300]
@@ -125,9 +126,13 @@ def test_forced_attention_backend_matches_transformers(backend, model_dir, promp
         check_teacher_forced(hf_model, prompt, tokens, logprobs)
 
 
-def test_speculative_decoding_with_freed_blocks(model_dir, make_token_prompts, hf_model, pool_bytes, no_leaks):
+def test_speculative_decoding_with_freed_blocks(model_dir, make_token_prompts, hf_model, pool_bytes, no_leaks,
+                                               monkeypatch):
     """Ngram drafts over repetitive 120-token prompts (look-ahead slots past the window's blocks) in a 42-block
-    pool that frees blocks out of the window: every accepted token is transformers' greedy one."""
+    pool that frees blocks out of the window: every accepted token is transformers' greedy one. Every match drafts
+    k tokens (the adaptive length switched off): the random model's output seldom repeats, and this is about the
+    blocks, not about when drafts pay."""
+    monkeypatch.setattr(adaptive, "best_length", lambda rate, max_k: max_k)
     block_size = 8
     base = [t["prompt_token_ids"] for t in make_token_prompts([12, 15, 20], seed=9)]
     prompts = [{"prompt_token_ids": (ids * 10)[:120]} for ids in base]
