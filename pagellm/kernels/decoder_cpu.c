@@ -135,7 +135,7 @@ static void lora_delta(const pagellm_decoder *d, int64_t l, int p, const lora_ro
             for (int64_t i = g->start[s]; i < g->start[s + 1]; i++)
                 shrunk[g->rows[i] * ld + j] = dot(a, x + g->rows[i] * in, in);
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t item = 0; item < expand_items; item++) {
             int64_t chunk;
             const int64_t s = lora_item_slot(table, g, d->lora_slots, item, 1, &chunk);

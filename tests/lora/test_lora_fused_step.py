@@ -4,8 +4,6 @@ adapters of different ranks and targets, float32 and int8-packed weights, and ad
 reused slots between runs. The module path itself is checked against PEFT's merged model in test_lora_generate.py."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from pagellm import LLM, SamplingParams
@@ -18,23 +16,6 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=Tr
 
 def model_of(llm: LLM):
     return llm.llm_engine.engine_core.executor.collective_rpc("__getattribute__", "model_runner")[0].model
-
-
-@pytest.fixture
-def lora_rows_seen(monkeypatch) -> list[list[int]]:
-    """Each fused step's row slots (the C step ran with adapter rows)."""
-    seen: list[list[int]] = []
-    forward = FusedDecoder.forward
-    signature = inspect.signature(forward)
-
-    def spy(*args, **kwargs):
-        row_slot = signature.bind(*args, **kwargs).arguments.get("row_slot")
-        if row_slot is not None:
-            seen.append(row_slot.tolist())
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(FusedDecoder, "forward", spy)
-    return seen
 
 
 def generate(model_dir, quantization: str, fused: bool, runs, monkeypatch, max_loras: int = 2) -> list:

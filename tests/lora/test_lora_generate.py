@@ -1,6 +1,6 @@
 """LoRA adapters through the offline LLM, against transformers running PEFT's merged model (`merge_and_unload()`),
 greedy and token-exact in float32: one adapter, a batch mixing the base model and two adapters, prefix caching
-with two adapters on one prompt, and the fused CPU decode step declined for adapter rows."""
+with two adapters on one prompt. Decode steps run the fused CPU decode step, adapter rows included."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +39,7 @@ def merged_greedy(model_dir, adapter, prompts: list[list[int]]) -> list[list[int
     return [hf_greedy_generate(model.eval(), prompt, MAX_TOKENS) for prompt in prompts]
 
 
-def test_mixed_batch_matches_each_merged_model(llm, model_dir, adapters, make_token_prompts):
+def test_mixed_batch_matches_each_merged_model(llm, model_dir, adapters, make_token_prompts, lora_rows_seen):
     prompts = make_token_prompts([5, 23, 9, 17, 12, 30])
     loras = [None, LoRARequest("one", 1, str(adapters[0])), LoRARequest("two", 2, str(adapters[1]))] * 2
     outputs = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
@@ -49,6 +49,7 @@ def test_mixed_batch_matches_each_merged_model(llm, model_dir, adapters, make_to
     for i, output in enumerate(outputs):
         lora = loras[i]
         assert output.outputs[0].token_ids == expected[lora.lora_int_id if lora else None][i // 3], i
+    assert lora_rows_seen, "the decode steps ran the fused C step with the adapters' rows"
     # The adapters change the output: the comparison above could fail.
     assert expected[1] != expected[None][:len(expected[1])] or expected[2] != expected[None]
     assert_no_leaked_blocks(llm)

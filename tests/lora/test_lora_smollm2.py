@@ -1,6 +1,7 @@
 """One realism check on the default model, SmolLM2-135M (30 layers, GGUF weights kept packed: the adapter's deltas
-go on top of the packed matmul): a PEFT adapter on every projection, greedy beside the base model in one batch,
-against transformers running PEFT's merged model on the same (dequantized) weights."""
+go on top of the packed matmul, in the fused CPU decode step's one C call): a PEFT adapter on every projection,
+greedy beside the base model in one batch, against transformers running PEFT's merged model on the same
+(dequantized) weights."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ PROMPT = "The three primary colours are"
 MAX_TOKENS = 8
 
 
-def test_smollm2_adapter_matches_merged_model(smollm2_dir, peft_adapter_factory):
+def test_smollm2_adapter_matches_merged_model(smollm2_dir, peft_adapter_factory, lora_rows_seen):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,6 +24,7 @@ def test_smollm2_adapter_matches_merged_model(smollm2_dir, peft_adapter_factory)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     base, tuned = llm.generate([PROMPT, PROMPT], params, lora_request=[None, LoRARequest("a", 1, str(adapter))],
                                use_tqdm=False)
+    assert lora_rows_seen, "the decode steps ran the fused C step, the adapter's deltas on its packed matmuls"
 
     ids = AutoTokenizer.from_pretrained(str(smollm2_dir)).encode(PROMPT)
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
