@@ -206,6 +206,9 @@ class SchedulerConfig:
     # A time per output token to hold: the scheduler caps each step's rows (up to max_num_seqs) and prompt tokens
     # by an online model of the step's time (core/sched/step_limits.py); None: the static caps only.
     target_tpot_ms: float | None = None
+    # Priority policy: requests of this priority or lower are background work (the lines of /v1/batches jobs run
+    # at it): they yield each step to others and take a bounded share of it (core/sched/step_limits.py).
+    background_priority: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in SCHEDULING_POLICIES:

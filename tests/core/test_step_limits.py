@@ -7,7 +7,7 @@ import pytest
 from scheduler_factories import TOKEN, make_request, make_scheduler
 
 from pagellm.core.sched.scheduler import Scheduler
-from pagellm.core.sched.step_limits import WARMUP_ROWS
+from pagellm.core.sched.step_limits import BACKGROUND_PROMPT_TOKENS, WARMUP_ROWS
 from pagellm.core.sched.step_time import MIN_STEPS, StepShape, StepTimeModel
 
 # The synthetic law: seconds = A + B * rows + C * context + D * extra tokens.
@@ -126,3 +126,12 @@ def test_background_requests_yield_to_a_waiting_request_then_take_a_bounded_shar
         run_step(sched)
     assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
 
+
+
+def test_a_background_prompt_runs_in_short_chunks_even_alone():
+    sched = make_scheduler(scheduling_policy="priority", max_model_len=512, num_blocks=256, max_num_seqs=16,
+                           max_num_batched_tokens=512)
+    sched.add_request(make_request("bg", prompt=300, max_tokens=4, priority=BACKGROUND))
+    assert run_step(sched).scheduled[0].num_tokens == BACKGROUND_PROMPT_TOKENS
+    sched.add_request(make_request("chat", prompt=300, max_tokens=4))
+    assert [(s.request_id, s.num_tokens) for s in run_step(sched).scheduled] == [("chat", 300)]

@@ -123,7 +123,7 @@ class BatchPlanner:
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int, limit: int, limits: StepLimits) -> int:
         """Give the running requests their tokens, in order, preempting while the pool is short; returns the token
-        budget left. Deferred requests sit the step out; prompt chunks stay within `limits.prefill_tokens`."""
+        budget left. Deferred requests sit the step out; prompt chunks stay within the limits' prompt budget."""
         running = self.queues.running
         index = 0
         while index < len(running) and token_budget > 0 and len(output.scheduled) < limit:
@@ -132,7 +132,7 @@ class BatchPlanner:
             # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
             num_new = self._num_next_tokens(request, flight)
             if num_new and num_new > 1:
-                num_new = min(num_new, limits.prefill_tokens)
+                num_new = min(num_new, limits.prompt_budget(request))
             if not num_new or request.request_id in limits.deferred:
                 index += 1
                 continue
@@ -150,7 +150,7 @@ class BatchPlanner:
                 output.scheduled.append(scheduled)
                 token_budget -= num_new
                 if num_new > 1 + len(draft):
-                    limits.prefill_tokens -= num_new
+                    limits.spend_prompt(request, num_new)
             index += 1
         return token_budget
 
@@ -217,6 +217,10 @@ class BatchPlanner:
             if num_new > token_budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, token_budget)
+            if self.config.enable_chunked_prefill:
+                num_new = min(num_new, limits.prompt_budget(request))
+                if num_new <= 0:
+                    break
             if not manager.allocate_slots(request, num_new, computed):
                 break
             queues.admit(request, num_cached)
@@ -225,6 +229,7 @@ class BatchPlanner:
             slots_in_use += num_sequences(request)
             output.scheduled.append(self._schedule_request(request, num_new, output))
             token_budget -= num_new
+            limits.spend_prompt(request, num_new)
 
     def _make_room_for_waiting(self, output: SchedulerOutput) -> None:
         """Nothing could run: every running request is a beam waiting for a sibling that is queued and does not

@@ -8,10 +8,11 @@ prompt tokens the step may hold. Two rules set them, and without either the limi
   The running sequences the policy ranks first run; the rest wait, keeping their KV blocks (so a cap that falls
   stalls requests that have started: the cap starts small, at WARMUP_ROWS, until the model has seen enough steps,
   and grows as it learns). At least one sequence always runs.
-- Background work (priority policy): when the live requests do not all share one priority, those of the lowest
-  (batch jobs, say) are background. While a request of higher priority waits, running background requests sit the
-  step out (their rows and prompt chunks yield the step to it); otherwise background rows, admissions included,
-  are at most half as many as the others' (at least one, so they never starve).
+- Background work (priority policy): requests of priority `background_priority` or lower (batch jobs' lines) are
+  background. While another request waits, running background requests sit the step out (their rows and prompt
+  chunks yield the step to it); while others run, background rows, admissions included, are at most half as many
+  as theirs (at least one, so they never starve). Their prompt chunks take at most BACKGROUND_PROMPT_TOKENS a
+  step, even alone, so that a request arriving meanwhile waits for a short step, not a 2048-token one.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
 PREFILL_SHARE = 0.25
 WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
+BACKGROUND_PROMPT_TOKENS = 128
 
 
 @dataclass
@@ -34,9 +36,25 @@ class StepLimits:
     max_seqs: int  # sequence slots of running and newly admitted requests
     deferred: set[str] = field(default_factory=set)  # running sequences that sit this step out
     prefill_tokens: int = sys.maxsize  # prompt tokens the step may still take (the token budget aside)
-    background_priority: int | None = None  # requests of this priority are background (priority policy only)
+    background_priority: int | None = None  # requests of this priority or lower are background (priority policy)
+    background_tokens: int = BACKGROUND_PROMPT_TOKENS  # prompt tokens background requests may still take
     foreground_rows: int = 0
     background_rows: int = 0
+    background_row_limit: bool = False  # whether background rows are bounded by the others' (others are live)
+
+    def is_background(self, request: Request) -> bool:
+        return self.background_priority is not None and request.priority >= self.background_priority
+
+    def prompt_budget(self, request: Request) -> int:
+        """Prompt tokens `request` may take this step (the token budget aside)."""
+        if self.is_background(request):
+            return min(self.prefill_tokens, self.background_tokens)
+        return self.prefill_tokens
+
+    def spend_prompt(self, request: Request, num_tokens: int) -> None:
+        self.prefill_tokens -= num_tokens
+        if self.is_background(request):
+            self.background_tokens -= num_tokens
 
     def has_slots(self, slots_in_use: int, num_seqs: int) -> bool:
         """Whether `num_seqs` more sequences fit; a request alone always does (n and beam_width were checked
@@ -45,10 +63,11 @@ class StepLimits:
 
     def may_admit(self, request: Request) -> bool:
         """Whether the waiting `request` may join the step; counts it when it is background."""
-        if self.background_priority is None or request.priority < self.background_priority:
+        if not self.is_background(request):
             self.foreground_rows += 1
+            self.background_row_limit = True
             return True
-        if self.background_rows >= background_quota(self.foreground_rows):
+        if self.background_row_limit and self.background_rows >= background_quota(self.foreground_rows):
             return False
         self.background_rows += 1
         return True
@@ -80,7 +99,7 @@ class StepLimiter:
         limits = StepLimits(self.config.max_num_seqs)
         order = self.policy.running_order()
         candidates = sorted(ready, key=lambda row: order(row[0])) if order is not None else list(ready)
-        if self.policy.name == "priority" and (ready or waiting):
+        if self.policy.name == "priority":
             candidates = self._background_share(limits, candidates, waiting)
         if self.model is not None and not self.model.ready:
             limits.max_seqs = min(limits.max_seqs, WARMUP_ROWS)
@@ -93,14 +112,13 @@ class StepLimiter:
 
     def _background_share(self, limits: StepLimits, candidates: list[tuple[Request, int]],
                           waiting: list[Request]) -> list[tuple[Request, int]]:
-        priorities = {r.priority for r in [*(request for request, _ in candidates), *waiting]}
-        if len(priorities) < 2:
-            return candidates
-        lowest = max(priorities)
-        foreground = [row for row in candidates if row[0].priority < lowest]
-        quota = 0 if any(r.priority < lowest for r in waiting) else background_quota(len(foreground))
-        background = [row for row in candidates if row[0].priority == lowest][:quota]
-        limits.background_priority = lowest
+        limits.background_priority = self.config.background_priority
+        background = [row for row in candidates if limits.is_background(row[0])]
+        foreground = [row for row in candidates if not limits.is_background(row[0])]
+        others_wait = any(not limits.is_background(r) for r in waiting)
+        if foreground or others_wait:
+            background = background[:0 if others_wait else background_quota(len(foreground))]
+            limits.background_row_limit = True
         limits.foreground_rows, limits.background_rows = len(foreground), len(background)
         kept = {row[0].request_id for row in [*foreground, *background]}
         return [row for row in candidates if row[0].request_id in kept]

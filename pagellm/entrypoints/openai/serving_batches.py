@@ -1,6 +1,7 @@
 """`/v1/files` and `/v1/batches`: files kept in memory (up to MAX_FILE_STORE_BYTES in all) and batch jobs run as
-tasks on the server's event loop, each line dispatched through the app itself (batch_jobs.py) at BATCH_PRIORITY,
-behind interactive traffic under --scheduling-policy priority. Nothing survives a restart."""
+tasks on the server's event loop, each line dispatched through the app itself (batch_jobs.py) at the scheduler's
+background priority, behind interactive traffic under --scheduling-policy priority (see core/sched/step_limits.py).
+Nothing survives a restart."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,6 @@ from fastapi import FastAPI
 from pagellm.entrypoints.openai.batch_jobs import BatchDispatcher, parse_line
 from pagellm.entrypoints.openai.errors import OpenAIServingError
 from pagellm.entrypoints.openai.protocol_batch import (
-    BATCH_PRIORITY,
     BatchCreateRequest,
     BatchErrorData,
     BatchErrors,
@@ -176,11 +176,12 @@ class OpenAIServingBatches:
 
 
 def serving_batches(app: FastAPI) -> OpenAIServingBatches:
-    """The app's batches, created on first use: batch lines run at BATCH_PRIORITY where the engine's policy is
-    priority, and at 0 under any other policy (which refuses a non-zero priority)."""
+    """The app's batches, created on first use: batch lines run at the scheduler's background priority where the
+    engine's policy is priority, and at 0 under any other policy (which refuses a non-zero priority)."""
     serving = getattr(app.state, "batches", None)
     if serving is None:
-        policy = app.state.server.engine.config.scheduler_config.scheduling_policy
-        serving = OpenAIServingBatches(app, BATCH_PRIORITY if policy == "priority" else 0)
+        scheduler_config = app.state.server.engine.config.scheduler_config
+        priority = scheduler_config.background_priority if scheduler_config.scheduling_policy == "priority" else 0
+        serving = OpenAIServingBatches(app, priority)
         app.state.batches = serving
     return serving
