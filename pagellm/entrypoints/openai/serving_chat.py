@@ -83,6 +83,9 @@ class ChoiceStreamer:
             content, tool_calls = self.tools.feed(text, finished)
             return DeltaMessage(content=content, tool_calls=tool_calls)
         split = self.reasoner.feed(text, finished)
+        if self.reasoner.in_reasoning and not finished:
+            # Tool calls come from the content: a named call's opening delta waits for the reasoning to end.
+            return DeltaMessage(reasoning_content=split.reasoning if self.include_reasoning else None)
         content, tool_calls = self.tools.feed(split.content or "", finished)
         return DeltaMessage(content=content or None, tool_calls=tool_calls,
                             reasoning_content=split.reasoning if self.include_reasoning else None)

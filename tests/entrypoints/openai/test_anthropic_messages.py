@@ -317,3 +317,25 @@ def test_thinking_needs_a_reasoning_parser(claude):
     with pytest.raises(anthropic.BadRequestError, match="--reasoning-parser"):
         claude.messages.create(**sdk(greedy(max_tokens=4, messages=[{"role": "user", "content": USER}],
                                             thinking={"type": "enabled", "budget_tokens": 1024})))
+
+
+def test_a_forced_tool_use_follows_the_thinking(reasoning_server):
+    """tool_choice "tool" with thinking on: the budget closes the reasoning after 2 tokens, which are the chat path's
+    unconstrained greedy reasoning, and the forced call's grammar holds only what follows (vLLM's way)."""
+    claude = anthropic.Anthropic(base_url=reasoning_server.url, api_key="none", max_retries=0, timeout=60)
+    chat = openai.OpenAI(base_url=f"{reasoning_server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": USER}]
+    reasoning = chat.chat.completions.create(**greedy(max_tokens=2, messages=messages)).choices[0].message
+    tool = {"name": "get_weather", "input_schema": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 6}}, "required": ["city"], "additionalProperties": False}}
+    body = greedy(max_tokens=64, messages=messages, tools=[tool], tool_choice={"type": "tool", "name": "get_weather"},
+                  thinking={"type": "enabled", "budget_tokens": 2})
+    message = claude.messages.create(**sdk(body))
+    assert [block.type for block in message.content] == ["thinking", "tool_use"], message.content
+    assert message.content[0].thinking == reasoning.model_extra["reasoning_content"]
+    assert message.content[1].name == "get_weather" and set(message.content[1].input) == {"city"}
+    assert message.stop_reason == "tool_use"
+    with claude.messages.stream(**sdk(body)) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "tool_use"]
+    assert final.content[1].input == message.content[1].input

@@ -215,6 +215,10 @@ def test_a_forced_tool_call_follows_free_reasoning(reasoning_client, hf, tool_ch
     assert streamed(chunks)[0][0] == reasoning
     calls = [call for chunk in chunks for choice in chunk.choices for call in choice.delta.tool_calls or []]
     assert calls[0].function.name == "get_weather"
+    # Every reasoning delta comes before the call's first delta (Anthropic's stream makes them separate blocks).
+    kinds = ["call" if choice.delta.tool_calls else "reasoning" for chunk in chunks for choice in chunk.choices
+             if choice.delta.tool_calls or choice.delta.model_extra.get("reasoning_content")]
+    assert kinds == sorted(kinds, key=lambda kind: kind == "call") and kinds[-1] == "call", kinds
     assert "".join(call.function.arguments or "" for call in calls) == message.tool_calls[0].function.arguments
 
 
