@@ -7,7 +7,7 @@ import pytest
 from scheduler_factories import TOKEN, make_request, make_scheduler
 
 from pagellm.core.sched.scheduler import Scheduler
-from pagellm.core.sched.step_limits import BACKGROUND_PROMPT_TOKENS, WARMUP_ROWS
+from pagellm.core.sched.step_limits import BACKGROUND_PROMPT_TOKENS, BACKGROUND_ROWS, WARMUP_ROWS
 from pagellm.core.sched.step_time import MIN_STEPS, StepShape, StepTimeModel
 
 # The synthetic law: seconds = A + B * rows + C * context + D * extra tokens.
@@ -107,10 +107,11 @@ BACKGROUND = 1 << 30
 def test_background_requests_yield_to_a_waiting_request_then_take_a_bounded_share():
     sched = make_scheduler(scheduling_policy="priority", max_model_len=256, num_blocks=256, max_num_seqs=16,
                            max_num_batched_tokens=256)
-    for i in range(8):
-        sched.add_request(make_request(f"bg{i}", prompt=16, max_tokens=60, priority=BACKGROUND))
-    out = run_step(sched)
-    assert len(out.scheduled) == 8  # alone, background work takes the whole step
+    for i in range(12):
+        sched.add_request(make_request(f"bg{i}", prompt=4, max_tokens=60, priority=BACKGROUND))
+    # Alone, background work takes BACKGROUND_ROWS rows and BACKGROUND_PROMPT_TOKENS prompt tokens a step.
+    rows = [len(run_step(sched).scheduled) for _ in range(4)]
+    assert rows == [min(BACKGROUND_ROWS, BACKGROUND_PROMPT_TOKENS // 4)] + [BACKGROUND_ROWS] * 3
     sched.add_request(make_request("chat0", prompt=40, max_tokens=20))
     out = run_step(sched)
     # The waiting interactive request gets the step to itself: the running background rows sit it out, keeping
@@ -125,7 +126,6 @@ def test_background_requests_yield_to_a_waiting_request_then_take_a_bounded_shar
     while sched.has_unfinished_requests():
         run_step(sched)
     assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
-
 
 
 def test_a_background_prompt_runs_in_short_chunks_even_alone():

@@ -11,8 +11,9 @@ prompt tokens the step may hold. Two rules set them, and without either the limi
 - Background work (priority policy): requests of priority `background_priority` or lower (batch jobs' lines) are
   background. While another request waits, running background requests sit the step out (their rows and prompt
   chunks yield the step to it); while others run, background rows, admissions included, are at most half as many
-  as theirs (at least one, so they never starve). Their prompt chunks take at most BACKGROUND_PROMPT_TOKENS a
-  step, even alone, so that a request arriving meanwhile waits for a short step, not a 2048-token one.
+  as theirs (at least one, so they never starve). Even alone they take at most BACKGROUND_ROWS rows and
+  BACKGROUND_PROMPT_TOKENS prompt tokens a step, so that a request arriving meanwhile waits for a short step (on
+  a CPU a step's time grows with its rows; decode throughput barely does past a few rows).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
 PREFILL_SHARE = 0.25
 WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
-BACKGROUND_PROMPT_TOKENS = 128
+BACKGROUND_ROWS = 8
+BACKGROUND_PROMPT_TOKENS = 64
 
 
 @dataclass
@@ -40,7 +42,8 @@ class StepLimits:
     background_tokens: int = BACKGROUND_PROMPT_TOKENS  # prompt tokens background requests may still take
     foreground_rows: int = 0
     background_rows: int = 0
-    background_row_limit: bool = False  # whether background rows are bounded by the others' (others are live)
+    others_live: bool = False  # whether requests other than background ones run or wait this step
+    others_wait: bool = False  # whether one waits: background requests then take nothing this step
 
     def is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority
@@ -65,16 +68,16 @@ class StepLimits:
         """Whether the waiting `request` may join the step; counts it when it is background."""
         if not self.is_background(request):
             self.foreground_rows += 1
-            self.background_row_limit = True
+            self.others_live = True
             return True
-        if self.background_row_limit and self.background_rows >= background_quota(self.foreground_rows):
+        if self.others_wait or self.background_rows >= background_quota(self.foreground_rows, self.others_live):
             return False
         self.background_rows += 1
         return True
 
 
-def background_quota(foreground_rows: int) -> int:
-    return max(1, foreground_rows // 2)
+def background_quota(foreground_rows: int, others_live: bool) -> int:
+    return min(BACKGROUND_ROWS, max(1, foreground_rows // 2)) if others_live else BACKGROUND_ROWS
 
 
 class StepLimiter:
@@ -115,10 +118,11 @@ class StepLimiter:
         limits.background_priority = self.config.background_priority
         background = [row for row in candidates if limits.is_background(row[0])]
         foreground = [row for row in candidates if not limits.is_background(row[0])]
-        others_wait = any(not limits.is_background(r) for r in waiting)
-        if foreground or others_wait:
-            background = background[:0 if others_wait else background_quota(len(foreground))]
-            limits.background_row_limit = True
+        limits.others_wait = any(not limits.is_background(r) for r in waiting)
+        limits.others_live = bool(foreground) or limits.others_wait
+        if limits.others_wait:
+            background = []
+        background = background[:background_quota(len(foreground), limits.others_live)]
         limits.foreground_rows, limits.background_rows = len(foreground), len(background)
         kept = {row[0].request_id for row in [*foreground, *background]}
         return [row for row in candidates if row[0].request_id in kept]
