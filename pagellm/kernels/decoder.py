@@ -41,12 +41,13 @@ class _Layer(ctypes.Structure):
         ("sliding_window", _I64), ("kv_group", _I64)]
 
 
-# Mirrors decoder_cpu.c's pagellm_decoder_lora: one adapter on one projection of one layer (rank 0: none).
-_LORA_MAX_PARTS = 3
+# Mirrors decoder_cpu.c's pagellm_decoder_lora: one adapter on one projection of one layer (rank 0: none); its B
+# in blocks of _LORA_COLS outputs (decoder_cpu.c's LORA_MAX_PARTS and LORA_COLS).
+_LORA_MAX_PARTS, _LORA_COLS = 3, 64
 
 
 class _LoRA(ctypes.Structure):
-    _fields_ = [("a", _PTR), ("b", _PTR), ("rank", _I64), ("ldb", _I64), ("num_parts", _I64),
+    _fields_ = [("a", _PTR), ("b", _PTR), ("rank", _I64), ("num_parts", _I64),
                 *((name, _I64 * _LORA_MAX_PARTS) for name in ("part_rank", "part_out", "part_size"))]
 
 
@@ -171,7 +172,9 @@ class FusedDecoder:
         """The adapter in `slot` on `projection` (an index into LORA_PROJECTIONS) of `layer`, or None: it has none.
         `weights` is (a, b_t, parts), float32 on the CPU: delta = (x a^T) b_t, where `a` [rank, in] stacks the A's
         of the projection's parts and `b_t` [rank, out] is (scaling B)^T, block-diagonal: part i's `parts[i][0]`
-        rank rows (after the earlier parts') write its outputs [parts[i][1], parts[i][1] + parts[i][2]) only."""
+        rank rows (after the earlier parts') write its outputs [parts[i][1], parts[i][1] + parts[i][2]) only. Those
+        blocks are copied in the C side's layout (each part's in blocks of _LORA_COLS outputs, each block contiguous,
+        so a work item streams one), kept here while the slot holds them."""
         entry = self._lora[(layer * self._decoder.lora_slots + slot) * len(LORA_PROJECTIONS) + projection]
         key = (layer, slot, projection)
         if weights is None:
@@ -181,11 +184,16 @@ class FusedDecoder:
         a, b_t, parts = weights
         assert a.dtype == b_t.dtype == torch.float32 and a.is_contiguous() and b_t.is_contiguous()
         assert len(parts) <= _LORA_MAX_PARTS and sum(p[0] for p in parts) == a.shape[0] == b_t.shape[0]
-        entry.a, entry.b, entry.rank, entry.ldb = a.data_ptr(), b_t.data_ptr(), a.shape[0], b_t.shape[1]
-        entry.num_parts = len(parts)
+        blocks, row = [], 0
+        for rank, out, size in parts:
+            part = b_t[row:row + rank, out:out + size]
+            blocks += [part[:, o:o + _LORA_COLS].flatten() for o in range(0, size, _LORA_COLS)]
+            row += rank
+        b = torch.cat(blocks)
+        entry.a, entry.b, entry.rank, entry.num_parts = a.data_ptr(), b.data_ptr(), a.shape[0], len(parts)
         for i, (rank, out, size) in enumerate(parts):
             entry.part_rank[i], entry.part_out[i], entry.part_size[i] = rank, out, size
-        self._lora_weights[key] = (a, b_t)
+        self._lora_weights[key] = (a, b)
         self._decoder.lora_max_rank = max(self._decoder.lora_max_rank, a.shape[0])
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> None:

@@ -46,13 +46,15 @@ typedef struct {
 } pagellm_decoder_layer;
 
 /* One adapter's weights on one projection of one layer (kernels/decoder.py `_LoRA`; rank 0: the adapter leaves the
- * projection alone). delta = (x A^T) B': A [rank, in] stacks the A's of the fused projection's parts (q|k|v,
- * gate|up); B' = (scaling B)^T [rank, ldb] is block-diagonal: part p's rank rows (after the earlier parts') write
- * outputs [part_out[p], part_out[p] + part_size[p]) only, so only those blocks are read. */
+ * projection alone). delta = (x A^T) B^T: A [rank, in] stacks the A's of the fused projection's parts (q|k|v,
+ * gate|up). Part p takes the next part_rank[p] rows of A and writes outputs [part_out[p], + part_size[p]) with its
+ * (scaling B)^T [part_rank[p], part_size[p]], stored in blocks of LORA_COLS outputs (the last one narrower), each
+ * block [part_rank[p], its outputs] contiguous, the parts one after another in `b`: a work item reads one block. */
 #define LORA_MAX_PARTS 3
+#define LORA_COLS 64 /* outputs per block: one work item of the expansion */
 typedef struct {
     const float *a, *b;
-    int64_t rank, ldb, num_parts;
+    int64_t rank, num_parts;
     int64_t part_rank[LORA_MAX_PARTS], part_out[LORA_MAX_PARTS], part_size[LORA_MAX_PARTS];
 } pagellm_decoder_lora;
 
@@ -79,8 +81,6 @@ typedef struct {
     int64_t *rows, *start;
 } lora_rows;
 
-#define LORA_COLS 64 /* outputs per work item of the expansion: the accumulators of one row stay in registers */
-
 /* Sums in 16 lanes, then the lanes pairwise: the same floats whether the compiler vectorises it or not. */
 static float dot(const float *a, const float *x, int64_t n) {
     float acc[16] = {0};
@@ -93,14 +93,20 @@ static float dot(const float *a, const float *x, int64_t n) {
     return acc[0];
 }
 
+static int64_t lora_blocks(const pagellm_decoder_lora *e) {
+    int64_t blocks = 0;
+    for (int64_t q = 0; q < e->num_parts; q++) blocks += (e->part_size[q] + LORA_COLS - 1) / LORA_COLS;
+    return blocks;
+}
+
 /* The slot that work item `item` falls in, counting each slot with rows and weights here as `rank` items (shrink)
- * or one per LORA_COLS outputs (expand); *index: the item's index within its slot. */
+ * or one per block of B (expand); *index: the item's index within its slot. */
 static int64_t lora_item_slot(const pagellm_decoder_lora *table, const lora_rows *g, int64_t slots, int64_t item,
                               int expand, int64_t *index) {
     for (int64_t s = 0; s < slots; s++) {
         const pagellm_decoder_lora *e = table + s * LORA_PROJECTIONS;
         if (g->start[s] == g->start[s + 1] || !e->rank) continue;
-        const int64_t count = expand ? (e->ldb + LORA_COLS - 1) / LORA_COLS : e->rank;
+        const int64_t count = expand ? lora_blocks(e) : e->rank;
         if (item < count) {
             *index = item;
             return s;
@@ -110,9 +116,34 @@ static int64_t lora_item_slot(const pagellm_decoder_lora *table, const lora_rows
     return -1;
 }
 
-/* y[r] += (x[r] A^T) B' for every row r with an adapter on projection `p` of layer `l`; x [m, in] (row stride in),
+/* y[r] += (x[r] A^T) B^T for each row r of slot s's group, over the outputs of block `block` of e's B. */
+static void lora_expand(const pagellm_decoder_lora *e, int64_t block, const lora_rows *g, int64_t s,
+                        const float *shrunk, int64_t ld, float *y, int64_t ldy) {
+    int64_t q = 0, j0 = 0;
+    const float *b = e->b;
+    for (int64_t blocks; block >= (blocks = (e->part_size[q] + LORA_COLS - 1) / LORA_COLS); q++) {
+        block -= blocks;
+        j0 += e->part_rank[q];
+        b += e->part_rank[q] * e->part_size[q];
+    }
+    const int64_t o0 = block * LORA_COLS, rank = e->part_rank[q];
+    const int64_t cols = e->part_size[q] - o0 < LORA_COLS ? e->part_size[q] - o0 : LORA_COLS;
+    b += rank * o0; /* the earlier blocks of this part are full */
+    for (int64_t i = g->start[s]; i < g->start[s + 1]; i++) {
+        const int64_t r = g->rows[i];
+        float acc[LORA_COLS] = {0};
+        for (int64_t j = 0; j < rank; j++) {
+            const float sj = shrunk[r * ld + j0 + j], *bj = b + j * cols;
+            for (int64_t o = 0; o < cols; o++) acc[o] += sj * bj[o];
+        }
+        float *out = y + r * ldy + e->part_out[q] + o0;
+        for (int64_t o = 0; o < cols; o++) out[o] += acc[o];
+    }
+}
+
+/* y[r] += (x[r] A^T) B^T for every row r with an adapter on projection `p` of layer `l`; x [m, in] (row stride in),
  * y row stride ldy; shrunk: scratch [m, lora_max_rank]. One parallel region: the rank products of every slot, then
- * (after its barrier) the outputs of every slot in LORA_COLS chunks. */
+ * (after its barrier) the outputs of every slot, a block of B at a time. */
 static void lora_delta(const pagellm_decoder *d, int64_t l, int p, const lora_rows *g, const float *x, int64_t in,
                        float *y, int64_t ldy, float *shrunk, int nthreads) {
     const pagellm_decoder_lora *table = d->lora + l * d->lora_slots * LORA_PROJECTIONS + p;
@@ -121,7 +152,7 @@ static void lora_delta(const pagellm_decoder *d, int64_t l, int p, const lora_ro
         const pagellm_decoder_lora *e = table + s * LORA_PROJECTIONS;
         if (g->start[s] == g->start[s + 1] || !e->rank) continue;
         shrink_items += e->rank;
-        expand_items += (e->ldb + LORA_COLS - 1) / LORA_COLS;
+        expand_items += lora_blocks(e);
     }
     if (!shrink_items) return;
     const int64_t ld = d->lora_max_rank;
@@ -137,23 +168,9 @@ static void lora_delta(const pagellm_decoder *d, int64_t l, int p, const lora_ro
         }
 #pragma omp for schedule(static) nowait
         for (int64_t item = 0; item < expand_items; item++) {
-            int64_t chunk;
-            const int64_t s = lora_item_slot(table, g, d->lora_slots, item, 1, &chunk);
-            const pagellm_decoder_lora *e = table + s * LORA_PROJECTIONS;
-            const int64_t o0 = chunk * LORA_COLS, o1 = o0 + LORA_COLS < e->ldb ? o0 + LORA_COLS : e->ldb;
-            for (int64_t q = 0, j0 = 0; q < e->num_parts; j0 += e->part_rank[q++]) {
-                const int64_t end = e->part_out[q] + e->part_size[q];
-                const int64_t lo = o0 > e->part_out[q] ? o0 : e->part_out[q], hi = o1 < end ? o1 : end;
-                for (int64_t i = g->start[s]; lo < hi && i < g->start[s + 1]; i++) {
-                    const int64_t r = g->rows[i];
-                    float acc[LORA_COLS] = {0};
-                    for (int64_t j = j0; j < j0 + e->part_rank[q]; j++) {
-                        const float sj = shrunk[r * ld + j], *b = e->b + j * e->ldb + lo;
-                        for (int64_t o = 0; o < hi - lo; o++) acc[o] += sj * b[o];
-                    }
-                    for (int64_t o = 0; o < hi - lo; o++) y[r * ldy + lo + o] += acc[o];
-                }
-            }
+            int64_t block;
+            const int64_t s = lora_item_slot(table, g, d->lora_slots, item, 1, &block);
+            lora_expand(table + s * LORA_PROJECTIONS, block, g, s, shrunk, ld, y, ldy);
         }
     }
 }
