@@ -64,7 +64,7 @@ class EngineCore:
                                   for i in range(config.model_config.num_layers)])
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks,
-                                               sliding_window=windows.pop() if len(windows) == 1 else None)
+                                               group_windows=[group.window for group in groups])
         self.structured_output_manager = StructuredOutputManager(config.model_config,
                                                                  config.structured_outputs_config)
         self.scheduler = Scheduler(config.scheduler_config, config.model_config.max_model_len, self.kv_cache_manager,
