@@ -15,8 +15,9 @@ request. Last, whether both modes generated the same tokens.
 
 Sliding windows (Mistral: every layer; Gemma 3: 5 layers of 6): the KV layer-blocks the requests need at their
 final length if every layer kept every token, against only the blocks each layer's window still reads (a query at
-q reads keys q - W < k <= q), counted from the config; and the blocks the engine freed as they fell out of the
-window (it frees them when every layer shares one window, so one block table serves all layers).
+q reads keys q - W < k <= q), counted from the config; and, measured from the engine after every step, the blocks
+its KV cache groups hold (core/kv/kv_cache_groups.py: a block is a page of one group's layers) against the blocks
+the same running requests would hold if every group kept every token, and the blocks freed as they left a window.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from pagellm.benchmarks.machine import machine_header
 from pagellm.benchmarks.throughput import BenchRequest, make_requests, parse_range
+from pagellm.core.kv.kv_cache_groups import blocks_needed, group_size, kv_cache_groups
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.model_executor.layers.attention import layer_sliding_window
@@ -52,16 +54,26 @@ class ModeResult:
     preempted_queries: int = 0  # tokens of preempted requests looked up in the prefix cache on readmission
     preempted_hits: int = 0
     window_freed_blocks: int = 0  # freed because they fell out of the sliding window
+    held_blocks: list[int] = field(default_factory=list)  # device blocks held after each step
+    full_attention_blocks: list[int] = field(default_factory=list)  # the same requests, every token in every group
     efficiency: list[float] = field(default_factory=list)  # kv_cache_token_efficiency after each step
     pool_usage: list[float] = field(default_factory=list)  # used / all device blocks after each step
     token_ids: list[list[int]] = field(default_factory=list)  # per request, in submission order
 
     def to_dict(self) -> dict:
         figures = {k: v for k, v in dataclasses.asdict(self).items()
-                   if k not in ("efficiency", "pool_usage", "token_ids")}
+                   if k not in ("efficiency", "pool_usage", "token_ids", "held_blocks", "full_attention_blocks")}
         return {**figures, "total_tok_s": self.total_tokens / self.seconds,
                 "efficiency_mean": _mean(self.efficiency), "efficiency_min": min(self.efficiency),
-                "pool_usage_mean": _mean(self.pool_usage)}
+                "pool_usage_mean": _mean(self.pool_usage), "held_blocks_peak": max(self.held_blocks),
+                "full_attention_blocks_peak": max(self.full_attention_blocks),
+                "blocks_saved_fraction": self.saved_fraction}
+
+    @property
+    def saved_fraction(self) -> float:
+        """1 - blocks held / blocks full attention would hold, summed over the steps."""
+        full = sum(self.full_attention_blocks)
+        return 1 - sum(self.held_blocks) / full if full else 0.0
 
 
 def _mean(values: list[float]) -> float:
@@ -90,10 +102,15 @@ def pressure_args(engine_args: EngineArgs, requests: list[BenchRequest], fractio
     if engine_args.kv_cache_memory_bytes is not None:
         return engine_args
     block_size = engine_args.block_size
-    needed = sum(math.ceil((len(r.prompt_token_ids) + r.output_len) / block_size) for r in requests)
-    num_blocks = max(math.ceil(fraction * needed), math.ceil(max_model_len / block_size))
     config = engine_args.create_engine_config()
-    per_block = kv_bytes_per_block(config.model_config, config.cache_config)
+    model_config = config.model_config
+    groups = kv_cache_groups([layer_sliding_window(model_config.hf_config, i) for i in range(model_config.num_layers)])
+    # In blocks of one group's layers: every group keeps every token, for all requests at once.
+    needed = len(groups) * sum(math.ceil((len(r.prompt_token_ids) + r.output_len) / block_size) for r in requests)
+    chunk = min(max_model_len, config.scheduler_config.max_num_batched_tokens)
+    one_request = blocks_needed([g.window for g in groups], max_model_len - chunk, chunk, block_size)
+    num_blocks = max(math.ceil(fraction * needed), one_request)
+    per_block = kv_bytes_per_block(model_config, config.cache_config, num_layers=group_size(groups))
     return dataclasses.replace(engine_args, kv_cache_memory_bytes=num_blocks * per_block)
 
 
@@ -119,6 +136,7 @@ def run_mode(engine_args: EngineArgs, mode: str, requests: list[BenchRequest]) -
     while engine.has_unfinished_requests():
         engine.step()
     scheduler = engine.engine_core.scheduler
+    num_groups, block_size = len(engine.engine_core.kv_cache_manager.groups), engine_args.block_size
     before = scheduler.stats()
     result = ModeResult(mode, before.num_blocks, before.num_host_blocks)
     finished = {}
@@ -133,6 +151,9 @@ def run_mode(engine_args: EngineArgs, mode: str, requests: list[BenchRequest]) -
         if stats.num_running:  # an idle pool holds nothing to measure
             result.efficiency.append(stats.kv_cache_token_efficiency)
             result.pool_usage.append(stats.kv_cache_usage)
+            result.held_blocks.append(stats.num_used_blocks)
+            result.full_attention_blocks.append(num_groups * sum(
+                math.ceil(r.num_computed_tokens / block_size) for r in scheduler.running))
     result.seconds = time.perf_counter() - start
     after = scheduler.stats()
     result.token_ids = [list(finished[str(i)].outputs[0].token_ids) for i in range(len(requests))]
@@ -155,7 +176,10 @@ def format_table(results: list[ModeResult]) -> str:
             ("KV token efficiency mean", lambda r: f"{_mean(r.efficiency):.3f}"),
             ("KV token efficiency min", lambda r: f"{min(r.efficiency):.3f}"),
             ("device pool usage mean", lambda r: f"{100 * _mean(r.pool_usage):.1f}%"),
-            ("blocks freed by the window", lambda r: str(r.window_freed_blocks))]
+            ("blocks freed by the window", lambda r: str(r.window_freed_blocks)),
+            ("peak blocks held", lambda r: str(max(r.held_blocks))),
+            ("  with full attention", lambda r: str(max(r.full_attention_blocks))),
+            ("blocks saved (all steps)", lambda r: f"{100 * r.saved_fraction:.1f}%")]
     lines = [f"  {'':<26}" + "".join(f"{r.mode:>16}" for r in results)]
     lines += [f"  {name:<26}" + "".join(f"{cell(r):>16}" for r in results) for name, cell in rows]
     return "\n".join(lines)
