@@ -1,7 +1,8 @@
 """Adaptive draft length, per request: how many tokens a request drafts follows how many of its recent drafts the
 target accepted, and a request whose drafts do not pay stops drafting, probing again later.
 
-A verify step with k drafts costs `verify_cost(k)` plain decode steps, and with a per-position acceptance rate r it
+A verify step with k drafts costs `verify_cost(k)` plain decode steps (measured as the engine runs, see
+step_cost.py), and with a per-position acceptance rate r it
 emits (1 - r^(k+1)) / (1 - r) tokens on average. Each step the request drafts the k in 1..num_speculative_tokens
 that emits the most tokens per cost, or nothing when no k beats a plain step (1 token per 1 step). r is the
 request's accepted drafts over the positions its drafts put to the test, both decayed by `DECAY` per verify step,
@@ -12,21 +13,18 @@ wait (up to `MAX_PROBE_WAIT`), so text that never repeats costs a one-token veri
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagellm.config import SpeculativeConfig
 from pagellm.core.request import Request
+from pagellm.core.sched.output import ScheduledRequest
 from pagellm.spec_decode.ngram_proposer import NgramProposer
+from pagellm.spec_decode.step_cost import VerifyCosts, prior_cost
 
 DECAY = 0.75
 PRIOR_ACCEPTED, PRIOR_TRIALS = 3.0, 3.75  # a new request starts at r = 0.8, worth about three verify steps
 PROBE_WAIT, MAX_PROBE_WAIT = 4, 64
-
-
-def verify_cost(k: int) -> float:
-    """A verify step with k drafts in decode steps, at batch 1 on the CPU's one-call decode step (measured
-    2026-11-27 on the default model, 2 threads: k = 1, 2, 4, 8 cost 1.33, 1.79, 3.47, 7.49 decode steps)."""
-    return 1.0 + 0.33 * k + 0.06 * k * k
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -35,7 +33,7 @@ def expected_tokens(rate: float, k: int) -> float:
     return float(k + 1) if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
-def best_length(rate: float, max_k: int) -> int:
+def best_length(rate: float, max_k: int, verify_cost: Callable[[int], float] = prior_cost) -> int:
     """The draft length that emits the most tokens per unit of cost at acceptance `rate`; 0 when none beats a
     plain decode step."""
     gains = [expected_tokens(rate, k) / verify_cost(k) for k in range(1, max_k + 1)]
@@ -59,15 +57,16 @@ class AdaptiveDrafter:
     """Drafts for the scheduler (see core/sched/batch.py) with each request's own draft length, and learns from
     each verified draft (see core/sched/results.py). Requests' states live as long as the requests."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, costs: VerifyCosts | None = None) -> None:
         self.proposer = NgramProposer(config)
         self.max_k = config.num_speculative_tokens
+        self.costs = costs or VerifyCosts()
         self.states: weakref.WeakKeyDictionary[Request, DraftState] = weakref.WeakKeyDictionary()
 
     def propose(self, request: Request, room: int) -> list[int]:
         """Draft tokens for the request's next step, at most `room`."""
         state = self.states.setdefault(request, DraftState())
-        k = best_length(state.rate, self.max_k)
+        k = best_length(state.rate, self.max_k, self.costs)
         if k == 0:
             if state.wait > 0:
                 state.wait -= 1
@@ -76,12 +75,16 @@ class AdaptiveDrafter:
         k = min(k, room)
         return self.proposer.propose(request.all_token_ids, k) if k > 0 else []
 
+    def step_planned(self, scheduled: list[ScheduledRequest]) -> None:
+        """The step just planned (for the verify cost's timing)."""
+        self.costs.step_planned(scheduled)
+
     def observe(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A verify step kept `num_accepted` of the request's `num_drafted` draft tokens."""
         state = self.states.setdefault(request, DraftState())
         state.accepted = DECAY * state.accepted + num_accepted
         state.trials = DECAY * state.trials + num_accepted + (num_accepted < num_drafted)
-        if best_length(state.rate, self.max_k) == 0:
+        if best_length(state.rate, self.max_k, self.costs) == 0:
             state.wait, state.next_wait = state.next_wait, min(2 * state.next_wait, MAX_PROBE_WAIT)
         else:
             state.next_wait = PROBE_WAIT

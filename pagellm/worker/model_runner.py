@@ -7,8 +7,9 @@ one pinned, non-blocking copy (model_executor/host_copy.py).
 
 A request whose own work fails (its prompt logprobs, its sampling parameters) is reported in
 `ModelRunnerOutput.failed` and the rest of the batch keeps its results: when a batched sampling call raises, each
-request's rows are sampled alone (seeded generators rewound first, so greedy and seeded requests get exactly the
-tokens the batch would have given them) to find the one that breaks it.
+request's rows are sampled alone (greedy and seeded requests get exactly the tokens the batch would have given them:
+a seeded row's noise depends only on its seed and output position, see worker/sampling_inputs.py) to find the one
+that breaks it.
 
 With async scheduling (see core/sched/async_scheduling.py) a step may be prepared before the previous step's sampled
 tokens reach the host: a sequence whose input is such a token gets it from that step's sampled tokens on the
@@ -133,7 +134,6 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
         self.input_batch = InputBatch()
 
     def load_model(self) -> None:
@@ -158,7 +158,6 @@ class ModelRunner:
     def forget_requests(self) -> None:
         """Drop every sequence's state (after the profiling run)."""
         self.input_batch = InputBatch()
-        self.generators.clear()
         self._last_sampled = None
 
     def weight_bytes(self) -> int:
@@ -248,8 +247,7 @@ class ModelRunner:
 
     def sampling_tensors(self, requests: list[BatchedRequest],
                          last_inputs: torch.Tensor | None = None) -> SamplingTensors:
-        return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, self.generators,
-                                      last_inputs)
+        return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, last_inputs)
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs,
                                 failed: dict[str, str]) -> dict[str, tuple[int, list]]:
@@ -276,8 +274,6 @@ class ModelRunner:
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """Run the step and sample; None when this rank samples sequences under a grammar: their bitmask is still
         being computed, and `sample_tokens` finishes the step."""
-        for request_id in output.finished_req_ids:
-            self.generators.pop(request_id, None)
         start = time.perf_counter()
         batch = self.input_batch.update(output)
         if not batch:
@@ -382,22 +378,12 @@ class ModelRunner:
         rows = [row for request_rows in by_request.values() for row in request_rows]
         if not rows:
             return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
-        # A lone request has nothing to isolate and nothing to rewind: no snapshot on that path.
-        states = {} if len(by_request) == 1 else {
-            rid: self.generators[rid].get_state() for rid in by_request if rid in self.generators}
         try:
             return self._sample_rows(logits, requests, rows, last_inputs)
         except Exception as exc:
             if len(by_request) == 1:
                 _record_failure(failed, next(iter(by_request)), "Sampling", exc)
                 return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
-        # Rewind seeded generators (and drop ones the failed call created) so the retries draw what they would
-        # have drawn in the batch.
-        for request_id in by_request:
-            if request_id in states:
-                self.generators[request_id].set_state(states[request_id])
-            else:
-                self.generators.pop(request_id, None)
         parts = []
         for request_id, request_rows in by_request.items():
             try:

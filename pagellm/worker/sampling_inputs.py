@@ -15,11 +15,22 @@ from pagellm.model_executor.layers.sampler import SamplingTensors
 from pagellm.worker.input_batch import BatchedRequest
 
 
+def row_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's draw for its output token `index` (splitmix64 of the pair): each token's noise
+    depends on nothing but the request's seed and the token's place in its output."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
 def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: torch.device,
-                           generators: dict[str, torch.Generator],
                            last_inputs: torch.Tensor | None = None) -> SamplingTensors:
-    """The sampler's tensors for one logits row per entry of `requests`. A seeded request's generator is created in
-    `generators` (keyed by request id) on its first sample and advanced from then on.
+    """The sampler's tensors for one logits row per entry of `requests` (a request's rows in a row: its samples
+    at the same position for n > 1, or its verified positions with speculative decoding). A seeded row draws from a
+    generator seeded by the request's seed and the index of the output token it samples (`row_seed`), so a seeded
+    request's tokens depend neither on the batch, nor on retries, nor on how many drafts a step verified: with
+    speculation it gets the tokens it gets without.
 
     Async scheduling: a request with a pending token (see worker/input_batch.py) has generated one token more than
     its `output_token_ids` hold; `last_inputs` (each row's last input token, on the device) supplies it to the
@@ -27,13 +38,13 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
     params = [r.sampling_params for r in requests]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     row_generators = {}
+    rows_before: dict[str, int] = {}  # the request's rows already seen in this batch
     for row, (request, p) in enumerate(zip(requests, params)):
         if p.seed is not None and not p.is_greedy:
-            generator = generators.get(request.request_id)
-            if generator is None:
-                generator = torch.Generator(device).manual_seed(p.seed)
-                generators[request.request_id] = generator
-            row_generators[row] = generator
+            offset = rows_before.get(request.request_id, 0)
+            rows_before[request.request_id] = offset + 1
+            index = len(request.output_token_ids) + request.pending_token + offset
+            row_generators[row] = torch.Generator(device).manual_seed(row_seed(p.seed, index))
     tensors = SamplingTensors(
         temperature=tensor_on([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device),
         top_p=tensor_on([p.top_p for p in params], torch.float32, device),

@@ -132,7 +132,7 @@ def test_speculative_decoding_with_freed_blocks(model_dir, make_token_prompts, h
     pool that frees blocks out of the window: every accepted token is transformers' greedy one. Every match drafts
     k tokens (the adaptive length switched off): the random model's output seldom repeats, and this is about the
     blocks, not about when drafts pay."""
-    monkeypatch.setattr(adaptive, "best_length", lambda rate, max_k: max_k)
+    monkeypatch.setattr(adaptive, "best_length", lambda rate, max_k, *_: max_k)
     block_size = 8
     base = [t["prompt_token_ids"] for t in make_token_prompts([12, 15, 20], seed=9)]
     prompts = [{"prompt_token_ids": (ids * 10)[:120]} for ids in base]

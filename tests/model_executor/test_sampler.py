@@ -248,7 +248,10 @@ def test_seeded_rows_independent_of_batch():
         out = []
         for step in range(steps):
             torch.manual_seed(step * 7 + len(batch_params))  # the unseeded rows' global RNG differs per batch
-            out.append(int(Sampler()(logits[:len(requests)], r.sampling_tensors(requests)).sampled[row]))
+            tokens = Sampler()(logits[:len(requests)], r.sampling_tensors(requests)).sampled.tolist()
+            for request, token in zip(requests, tokens):
+                request.output_token_ids.append(token)  # the next step samples the next output position
+            out.append(tokens[row])
         return out
 
     alone = draws([seeded], 0)
@@ -257,3 +260,7 @@ def test_seeded_rows_independent_of_batch():
                    seeded], 3)
     assert alone == mixed
     assert len(set(alone)) > 1
+    # A seeded row's draw depends on its output position alone: the same position in a new runner draws the same.
+    again = runner().sampling_tensors([req(seeded, "other", output=[0] * 5)])
+    first = runner().sampling_tensors([req(seeded, "x", output=[9] * 5)])
+    assert torch.equal(Sampler()(logits[:1], again).sampled, Sampler()(logits[:1], first).sampled)

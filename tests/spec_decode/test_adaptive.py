@@ -9,7 +9,8 @@ import pytest
 
 from pagellm.config import SpeculativeConfig
 from pagellm.spec_decode import adaptive
-from pagellm.spec_decode.adaptive import AdaptiveDrafter, best_length, expected_tokens, verify_cost
+from pagellm.spec_decode.adaptive import AdaptiveDrafter, best_length, expected_tokens
+from pagellm.spec_decode.step_cost import prior_cost
 
 
 @dataclass(eq=False)
@@ -35,9 +36,9 @@ def test_best_length_pays_against_a_plain_step():
     for rate in (0.2, 0.5, 0.7, 0.9, 1.0):
         k = best_length(rate, 4)
         if k:
-            assert expected_tokens(rate, k) > verify_cost(k)
+            assert expected_tokens(rate, k) > prior_cost(k)
         else:
-            assert all(expected_tokens(rate, j) <= verify_cost(j) for j in range(1, 5))
+            assert all(expected_tokens(rate, j) <= prior_cost(j) for j in range(1, 5))
 
 
 def run(d: AdaptiveDrafter, request: FakeRequest, steps: int, accept) -> list[int]:

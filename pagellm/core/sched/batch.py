@@ -87,6 +87,8 @@ class BatchPlanner:
             and (structured := queues.requests[s.request_id].structured_output_request) is not None
             and (structured.active_grammar is not None or s.pending_token)]
         self.in_flight.update((scheduled.request_id, scheduled) for scheduled in output.scheduled)
+        if self.drafter is not None:
+            self.drafter.step_planned(output.scheduled)
 
     def _step_limits(self) -> StepLimits:
         """This step's caps beyond the token budget (see step_limits.py), from the running requests with work."""

@@ -5,8 +5,9 @@ sees the constrained distribution; logprobs are taken from those logits; penalti
 (bad_words, min_tokens) are applied next, then forced tokens (a spent thinking budget; logits_processors.py);
 greedy rows take the argmax there, so they stay exact next to sampled rows; sampled rows are divided by their
 temperature, then min_p, top_k and top_p mask.
-Sampled rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a request
-with a seed draws its q from its own generator, so its tokens do not depend on the rest of the batch.
+Sampled rows draw with the exponential-race trick (argmax of p / q, q ~ Exp(1)), which needs no sort; a seeded row
+draws its q from its own generator (seeded per output position, see worker/sampling_inputs.py), so its tokens do not
+depend on the rest of the batch.
 """
 from __future__ import annotations
 
