@@ -107,8 +107,8 @@ class StepLimiter:
         if self.model is not None and not self.model.ready:
             limits.max_seqs = min(limits.max_seqs, WARMUP_ROWS)
             candidates = candidates[:WARMUP_ROWS]
-        elif self.model is not None and candidates:
-            candidates = self._latency_cap(limits, candidates, bool(waiting))
+        elif self.model is not None and (candidates or waiting):
+            candidates = self._latency_cap(limits, candidates, waiting)
         selected = {request.request_id for request, _ in candidates}
         limits.deferred = {request.request_id for request, _ in ready if request.request_id not in selected}
         return limits
@@ -128,11 +128,14 @@ class StepLimiter:
         return [row for row in candidates if row[0].request_id in kept]
 
     def _latency_cap(self, limits: StepLimits, candidates: list[tuple[Request, int]],
-                     work_waits: bool) -> list[tuple[Request, int]]:
+                     waiting: list[Request]) -> list[tuple[Request, int]]:
+        """The cap counts the running rows (at their context now), then the waiting requests in admission order (at
+        the context they end with), so that no request is admitted that the cap would stall once it decodes."""
         assert self.model is not None and self.target_s is not None
         contexts = [request.num_computed_tokens + num_new for request, num_new in candidates]
+        contexts += [r.num_tokens + r.max_tokens - r.num_output_tokens for r in waiting]
         prefills = any(num_new > 1 for _, num_new in candidates)
-        reserve = self.model.extra_tokens_within(PREFILL_SHARE, self.target_s) if work_waits or prefills else 0
+        reserve = self.model.extra_tokens_within(PREFILL_SHARE, self.target_s) if waiting or prefills else 0
         cap = max(1, self.model.rows_within(self.target_s, contexts, reserve))
         limits.max_seqs = min(limits.max_seqs, cap)
         candidates = candidates[:cap]
