@@ -95,3 +95,27 @@ def test_local_completions_scores_as_hf(lm_eval_server, model_dir, tmp_path, mon
     assert served_acc == hf_acc
     print(f"generated: served {served_generated}, hf {hf_generated}")
     assert served_generated == hf_generated and len(served_generated) == NUM_ITEMS
+
+
+def generate_chat(model: str, model_args: dict, task_dir) -> list[str]:
+    """lm-eval's greedy answers to the generation task with the questions sent as chat messages."""
+    from lm_eval.tasks import TaskManager
+
+    results = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[GENERATION_TASK], log_samples=True,
+                                      batch_size=1, apply_chat_template=True,
+                                      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
+    return [sample["resps"][0][0] for sample in sorted(results["samples"][GENERATION_TASK], key=lambda s: s["doc_id"])]
+
+
+def test_local_chat_completions_generates_as_hf(lm_eval_server, model_dir, tmp_path, monkeypatch):
+    """lm-eval's `local-chat-completions` (the chat template applied by the server) answers every question as its
+    `hf` model does with the same template applied by lm-eval."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    write_task(tmp_path)
+    hf = generate_chat("hf", {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"}, tmp_path)
+    served = generate_chat("local-chat-completions", {
+        "model": lm_eval_server.model_name, "base_url": f"{lm_eval_server.url}/v1/chat/completions",
+        "num_concurrent": 1, "max_retries": 1}, tmp_path)
+    print(f"generated: served {served}, hf {hf}")
+    assert served == hf and len(served) == NUM_ITEMS
