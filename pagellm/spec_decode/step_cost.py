@@ -3,10 +3,12 @@ the CPU, scaled online to the steps this engine runs.
 
 The drafter times the steps in which one request decodes alone (batch 1, the case speculation is for): the time
 from planning such a step to planning the next one of the same request is that step's time, the engine's work
-around the forward pass included. Each draft length k keeps an exponential moving average of its steps' times, and
-the prior's extra cost per k (`prior_cost(k) - 1`) is scaled by the mean of the measured (t_k / t_0 - 1) /
-(prior_cost(k) - 1) over the lengths seen. Until plain and verify steps have both been seen `MIN_SAMPLES` times the
-prior holds as it is; a gap over `OUTLIER` times the estimate (the engine idled between requests) is no step time.
+around the forward pass included. Each draft length k keeps an exponential moving average of its steps' times; a
+length seen `MIN_SAMPLES` times costs its measured t_k / t_0, and the others the prior's extra cost
+(`prior_cost(k) - 1`) scaled by the mean of the measured (t_k / t_0 - 1) / (prior_cost(k) - 1) over the lengths
+seen (the matmul kernels take rows four at a time, so the true curve has steps the prior smooths over). Until
+plain and verify steps have both been seen `MIN_SAMPLES` times the prior holds as it is; a gap over `OUTLIER`
+times the estimate (the engine idled between requests) is no step time.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ class VerifyCosts:
         self._timing: tuple[str, int, float] | None = None  # (request id, draft length, planned at)
 
     def __call__(self, k: int) -> float:
+        if self.samples.get(k, 0) >= MIN_SAMPLES and self.samples.get(0, 0) >= MIN_SAMPLES:
+            return self.seconds[k] / self.seconds[0]
         return 1.0 + self.scale * (prior_cost(k) - 1.0)
 
     def step_planned(self, scheduled: list[ScheduledRequest]) -> None:

@@ -47,6 +47,15 @@ def test_measured_ratio_scales_the_prior(ratio):
     assert costs(4) == pytest.approx(1 + scale * (prior_cost(4) - 1))
 
 
+def test_each_measured_length_costs_its_own_ratio():
+    clock = Clock()
+    costs = VerifyCosts(clock)
+    run_steps(costs, clock, [(0, 0.01), (1, 0.012), (3, 0.02)] * (MIN_SAMPLES + 2))
+    assert costs(1) == pytest.approx(1.2) and costs(3) == pytest.approx(2.0)
+    scale = ((1.2 - 1) / (prior_cost(1) - 1) + (2.0 - 1) / (prior_cost(3) - 1)) / 2
+    assert costs(2) == pytest.approx(1 + scale * (prior_cost(2) - 1))
+
+
 def test_batches_idle_gaps_and_prefills_are_not_step_times():
     clock = Clock()
     costs = VerifyCosts(clock)
