@@ -170,6 +170,8 @@ def test_cancel_aborts_the_lines_in_flight(model_dir):
         assert cancelled["status"] == "cancelled"
         while _metric(client, "pagellm:num_requests_running{") + _metric(client, "pagellm:num_requests_waiting{"):
             time.sleep(0.05)
-        # Without the abort all 6 lines would run to max_tokens ("length").
-        assert _metric(client, 'pagellm:request_success_total{engine="0",finished_reason="length"') < 6
+        # Without the abort all 6 lines would run to max_tokens ("length"); the series exists from the start (0).
+        prefix = 'pagellm:request_success_total{endpoint="/v1/batches",engine="0",finished_reason="length"'
+        assert any(line.startswith(prefix) for line in client.get("/metrics").text.splitlines())
+        assert _metric(client, prefix) < 6
         assert client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
