@@ -249,8 +249,10 @@ class KVCacheManager:
         computed = computed or ComputedBlocks()
         for group in self.groups:
             self._free_skipped_blocks(group, request_id, request.num_computed_tokens)
-        num_computed = request.num_computed_tokens + computed.num_blocks * self.block_size
+        num_hit = len(computed.device) + len(computed.host)  # every group's hit has this length
+        num_computed = request.num_computed_tokens + num_hit * self.block_size
         first = num_computed // self.block_size
+        num_entries = cdiv(num_computed + num_new_tokens, self.block_size)
         plans, needed, free = [], 0, self.block_pool.num_free_blocks
         for g, group in enumerate(self.groups):
             hit = computed.group(g)
@@ -258,28 +260,28 @@ class KVCacheManager:
             swapped = group.req_to_host_blocks.get(request_id, [])
             copy_on_write = (num_new_tokens > 0 and first < len(blocks) and blocks[first] is not NULL_BLOCK
                              and blocks[first].ref_cnt > 1)
-            num_held = len(blocks) + hit.num_blocks + len(swapped) + group.swapped_num_freed.get(request_id, 0)
-            num_fresh = max(self.num_blocks_for_tokens(num_computed + num_new_tokens) - num_held, 0)
+            num_held = len(blocks) + num_hit + len(swapped) + group.swapped_num_freed.get(request_id, 0)
+            num_fresh = max(num_entries - num_held, 0)
             needed += num_fresh + copy_on_write + len(hit.host) + len(swapped)
-            # Cached hits nobody holds are counted as free, but taking them makes them unavailable.
-            free -= sum(block.ref_cnt == 0 for block in live(hit.device))
+            if hit.device:  # cached hits nobody holds are counted as free, but taking them makes them unavailable
+                free -= sum(block.ref_cnt == 0 for block in live(hit.device))
             plans.append((hit, copy_on_write, num_fresh))
         if needed > free:
             return False
 
-        if computed.num_blocks:
-            self._record_hit(request, computed.num_blocks * self.block_size)
-        # Every group's hits are taken before any group allocates: an allocation evicts cached blocks nobody holds
-        # (on the device, and in the host tier, where evicted device blocks are saved). Host hits are held until the
-        # step has copied them in.
-        for hit, _, _ in plans:
-            self.block_pool.touch(live(hit.device))
-            if hit.host:
-                self.host_pool.touch(hit.host)
+        if num_hit:
+            self._record_hit(request, num_hit * self.block_size)
+            # Every group's hits are taken before any group allocates: an allocation evicts cached blocks nobody
+            # holds (on the device, and in the host tier, where evicted device blocks are saved). Host hits are held
+            # until the step has copied them in.
+            for hit, _, _ in plans:
+                self.block_pool.touch(live(hit.device))
+                if hit.host:
+                    self.host_pool.touch(hit.host)
         swapped_in = False
         for group, (hit, copy_on_write, num_fresh) in zip(self.groups, plans):
             swapped_in |= self._grow(group, request_id, hit, copy_on_write, num_fresh, first)
-        if computed.num_blocks or swapped_in:
+        if num_hit or swapped_in:
             # Blocks that arrived whole are indexed now: their K/V are in place before the forward pass reads them.
             request.num_computed_tokens = num_computed
             self.cache_full_blocks(request)
@@ -291,7 +293,9 @@ class KVCacheManager:
               first: int) -> bool:
         """One group's part of `allocate_slots`, once the pool is known to have room and the hits are taken. True when
         it swapped in."""
-        blocks = group.req_to_blocks.get(request_id, []) + hit.device
+        blocks = group.req_to_blocks.get(request_id, [])
+        if hit.device:
+            blocks = blocks + hit.device
         if hit.host:
             blocks += self._load_from_host(hit.host)
         swapped = request_id in group.req_to_host_blocks
