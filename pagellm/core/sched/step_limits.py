@@ -3,8 +3,8 @@ prompt tokens the step may hold. Two rules set them, and without either the limi
 
 - A latency target (`--target-tpot-ms`): an online model of the step's time (step_time.py) caps the rows of a step
   so that its predicted time holds the target, and the prompt tokens that share a step with decodes to the time
-  left. While work waits, PREFILL_SHARE of the step's variable time is kept for prompt tokens when the cap is set,
-  so that queued requests keep starting.
+  left. While work waits, PREFILL_SHARE of the step's variable time (at least PREFILL_MIN_TOKENS tokens) is kept
+  for prompt tokens when the cap is set, so that queued requests keep starting.
   The running sequences the policy ranks first run; the rest wait, keeping their KV blocks (so a cap that falls
   stalls requests that have started: the cap starts small, at WARMUP_ROWS, until the model has seen enough steps,
   and grows as it learns). At least one sequence always runs.
@@ -28,6 +28,7 @@ from pagellm.core.sched.policy import SchedulingPolicy
 from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
 PREFILL_SHARE = 0.25
+PREFILL_MIN_TOKENS = 2  # the prompt tokens kept for while work waits, at least
 WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
 BACKGROUND_ROWS = 8
 BACKGROUND_PROMPT_TOKENS = 64
@@ -135,7 +136,8 @@ class StepLimiter:
         contexts = [request.num_computed_tokens + num_new for request, num_new in candidates]
         contexts += [r.num_tokens + r.max_tokens - r.num_output_tokens for r in waiting]
         prefills = any(num_new > 1 for _, num_new in candidates)
-        reserve = self.model.extra_tokens_within(PREFILL_SHARE, self.target_s) if waiting or prefills else 0
+        reserve = (self.model.extra_tokens_within(PREFILL_SHARE, self.target_s, PREFILL_MIN_TOKENS)
+                   if waiting or prefills else 0)
         cap = max(1, self.model.rows_within(self.target_s, contexts, reserve))
         limits.max_seqs = min(limits.max_seqs, cap)
         candidates = candidates[:cap]

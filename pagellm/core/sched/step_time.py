@@ -9,8 +9,9 @@ steps (a step never gets cheaper with more work). Steps with and without extra t
 of decodes does not push the prefill cost out of the window.
 
 A fit from steps that all had the same number of rows cannot tell the fixed cost `a` from the per-row cost `b`;
-the non-negative fit then charges it all per row: larger steps are overestimated (a cap that grows errs small),
-smaller ones underestimated. The smaller steps such a cap asks for tell the two apart at the next fits.
+the non-negative fit then charges it all to `a`, so the cap it gives asks for larger steps, which tell the two
+apart at the next fits. (Charging it per row instead would keep the cap at the one size seen: a small batch would
+never learn that rows are cheap.)
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from pagellm.core.sched.output import SchedulerOutput
 
 WINDOW = 128  # recent steps kept, per kind (with and without extra tokens)
 MIN_STEPS = 8  # steps observed before the model is trusted
+COLD_STEPS = 2  # an engine's first steps, not observed (lazy initialisation makes them slow)
+OUTLIER_FACTOR = 4.0  # steps whose time the first fit misses by more than this times the median miss are dropped
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class StepTimeModel:
         self._decode_steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
         self._mixed_steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
         self.coef: np.ndarray | None = None  # (a, b, c, d), seconds; None until MIN_STEPS steps were seen
+        self._cold_steps_left = COLD_STEPS
 
     @property
     def ready(self) -> bool:
@@ -54,6 +58,9 @@ class StepTimeModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.rows == 0 or seconds <= 0:
+            return
+        if self._cold_steps_left:
+            self._cold_steps_left -= 1
             return
         (self._mixed_steps if shape.extra_tokens else self._decode_steps).append((shape, seconds))
         if len(self._decode_steps) + len(self._mixed_steps) >= MIN_STEPS:
@@ -63,12 +70,15 @@ class StepTimeModel:
         steps = [*self._decode_steps, *self._mixed_steps]
         x = np.array([shape.features() for shape, _ in steps])
         y = np.array([seconds for _, seconds in steps])
-        # The solver takes the rows column first (ahead of the constant, so that steps of one size charge their
-        # time per row), the large columns scaled to comparable sizes; the coefficients go back to (a, b, c, d).
-        order = [1, 0, 2, 3]
+        # The large columns scaled to comparable sizes for the solver; the coefficients scaled back.
         scale = np.array([1.0, 1.0, *np.maximum(x[:, 2:].max(axis=0), 1.0)])
-        coef, _ = nnls(x[:, order] / scale, y)
-        self.coef = (coef / scale)[np.argsort(order)]
+        coef, _ = nnls(x / scale, y)
+        # Once more without the steps the fit misses by far (a first step's warm-up, a stall of a shared host).
+        residual = np.abs(x / scale @ coef - y)
+        kept = residual <= OUTLIER_FACTOR * np.median(residual) + 1e-4
+        if kept.sum() >= MIN_STEPS and not kept.all():
+            coef, _ = nnls(x[kept] / scale, y[kept])
+        self.coef = coef / scale
 
     def predict(self, shape: StepShape) -> float:
         assert self.coef is not None
@@ -85,11 +95,12 @@ class StepTimeModel:
                 return rows
         return len(contexts)
 
-    def extra_tokens_within(self, share: float, target_s: float) -> int:
-        """Extra tokens that take this `share` of a step's time beyond its fixed cost (at least one; 0 while the
-        model has seen none)."""
+    def extra_tokens_within(self, share: float, target_s: float, at_least: int) -> int:
+        """Extra tokens that take this `share` of a step's time beyond its fixed cost, and `at_least` (so that the
+        cost of prompt tokens keeps being measured, even when it is overestimated); 0 while the model has seen
+        none."""
         a, d = self.coef[0], self.coef[3]
-        return max(1, int(share * (target_s - a) / d)) if d > 0 else 0
+        return max(at_least, int(share * (target_s - a) / d)) if d > 0 else 0
 
     def max_extra_tokens(self, target_s: float, shape: StepShape) -> int:
         """The most extra tokens (prompt chunk tokens) a step of this shape can add within `target_s`."""
