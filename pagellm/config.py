@@ -166,7 +166,7 @@ class SpeculativeConfig:
     (see spec_decode/)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # k: draft tokens verified per step and request
+    num_speculative_tokens: int = 4  # k: the most draft tokens a request verifies a step (spec_decode/adaptive.py)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
 
