@@ -33,6 +33,7 @@ class VerifyCosts:
         self.clock = clock
         self.seconds: dict[int, float] = {}  # draft length -> moving average of its lone decode steps' seconds
         self.samples: dict[int, int] = {}
+        self._first: dict[int, list[float]] = {}  # a length's first MIN_SAMPLES times, whose median starts its average
         self.scale = 1.0  # measured extra cost over the prior's
         self._timing: tuple[str, int, float] | None = None  # (request id, draft length, planned at)
 
@@ -58,8 +59,17 @@ class VerifyCosts:
         estimate = self.seconds.get(k)
         if estimate is not None and seconds > OUTLIER * estimate:
             return
-        self.seconds[k] = seconds if estimate is None else estimate + EMA_WEIGHT * (seconds - estimate)
         self.samples[k] = self.samples.get(k, 0) + 1
+        if estimate is None:
+            # The median of the first few: one slow first step (kernels built on first use) does not set the average
+            # a length that is then never chosen again would keep.
+            first = self._first.setdefault(k, [])
+            first.append(seconds)
+            if len(first) < MIN_SAMPLES:
+                return
+            seconds = sorted(first)[len(first) // 2]
+            del self._first[k]
+        self.seconds[k] = seconds if estimate is None else estimate + EMA_WEIGHT * (seconds - estimate)
         if self.samples.get(0, 0) < MIN_SAMPLES:
             return
         ratios = [(self.seconds[j] / self.seconds[0] - 1.0) / (prior_cost(j) - 1.0)

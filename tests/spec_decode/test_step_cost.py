@@ -56,6 +56,13 @@ def test_each_measured_length_costs_its_own_ratio():
     assert costs(2) == pytest.approx(1 + scale * (prior_cost(2) - 1))
 
 
+def test_a_slow_first_step_does_not_set_the_average():
+    clock = Clock()
+    costs = VerifyCosts(clock)
+    run_steps(costs, clock, [(0, 0.5), (2, 0.02), (0, 0.01), (2, 0.02), (0, 0.01), (2, 0.02)])
+    assert costs(2) == pytest.approx(2.0)
+
+
 def test_batches_idle_gaps_and_prefills_are_not_step_times():
     clock = Clock()
     costs = VerifyCosts(clock)
