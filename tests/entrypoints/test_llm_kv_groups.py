@@ -113,3 +113,19 @@ def test_n_sequences_share_every_group(model_dir, make_token_prompts, hf_model, 
     assert len({tuple(c.token_ids) for c in output.outputs}) == 3
     assert_matches_transformers(hf_model, output, greedy=False)
     no_leaks(llm)
+
+
+def test_the_kv_budget_needs_the_window_not_every_token_in_every_group(model_dir, pool_bytes):
+    """One 320-token request in 32-token chunks holds, at block size 4, 80 blocks in the global group and, in each
+    local group, the blocks from its last chunk's first query's window on (keys from 288 - 24 + 1 = 265: block 66)
+    to its end: 14. A pool of 80 + 3 * 14 = 122 pages starts; one page fewer is refused, naming what it needs."""
+    page = page_bytes(pool_bytes, model_dir, 4)
+    needed = 80 + 3 * (80 - (288 - WINDOW + 1) // 4)
+    assert needed == 122
+    llm = LLM(model=str(model_dir), max_model_len=320, block_size=4, max_num_batched_tokens=32,
+              kv_cache_memory_bytes=page * needed)
+    assert llm.llm_engine.engine_core.num_blocks == needed
+    llm.shutdown()
+    with pytest.raises(ValueError, match=f"needs {needed} blocks"):
+        LLM(model=str(model_dir), max_model_len=320, block_size=4, max_num_batched_tokens=32,
+            kv_cache_memory_bytes=page * (needed - 1))

@@ -147,3 +147,26 @@ def test_swaps_round_trip_on_cuda_through_pinned_memory():
     for kv, old in zip(cache.kv_caches, device_before):
         assert torch.equal(kv[:, :, 5].cpu(), old[:, :, 1])
         assert torch.equal(kv[:, :, 2].cpu(), old[:, :, 4])
+
+
+def test_kv_cache_groups_share_a_tensor_per_position_and_move_each_once():
+    """Four layers in two KV cache groups of two (layers 0 and 2 at position 0, 1 and 3 at position 1): two
+    tensors, each layer's entry the tensor of its position; a swap round trip and a copy move each tensor's block
+    once and exactly."""
+    model_config = SimpleNamespace(get_num_kv_heads=lambda tp=1: 2, head_dim=4, num_layers=4, dtype=torch.float32)
+    cache = CacheEngine(model_config, CacheConfig(block_size=2), 5, torch.device("cpu"), num_host_blocks=4,
+                        layer_tensors=[0, 1, 0, 1])
+    assert len(cache.tensors) == 2 and len(cache.host_caches) == 2
+    assert cache.kv_caches[0] is cache.kv_caches[2] is cache.tensors[0]
+    assert cache.kv_caches[1] is cache.kv_caches[3] is cache.tensors[1]
+    written = fill_random(cache.tensors, seed=3)
+    with OpCounter() as ops:
+        cache.swap_out([(2, 0), (4, 1)])
+    assert ops.counts["index_select"] == 2 and ops.counts["index_copy_"] == 2
+    for kv in cache.tensors:
+        kv.zero_()
+    cache.swap_in([(0, 1), (1, 3)])
+    cache.copy_blocks([(1, 0)])
+    for old, kv in zip(written, cache.tensors):
+        assert torch.equal(kv[:, :, 1], old[:, :, 2]) and torch.equal(kv[:, :, 3], old[:, :, 4])
+        assert torch.equal(kv[:, :, 0], old[:, :, 2])
