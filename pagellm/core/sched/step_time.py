@@ -9,9 +9,10 @@ steps (a step never gets cheaper with more work). Steps with and without extra t
 of decodes does not push the prefill cost out of the window.
 
 A fit from steps that all had the same number of rows cannot tell the fixed cost `a` from the per-row cost `b`;
-the non-negative fit then charges it all to `a`, so the cap it gives asks for larger steps, which tell the two
-apart at the next fits. (Charging it per row instead would keep the cap at the one size seen: a small batch would
-never learn that rows are cheap.)
+the non-negative fit then charges it all per row, so a cap computed from it errs small (charging it to `a` made the
+cap overshoot, and the requests a corrected cap then deferred missed the target). The steps of another size that
+such a cap gives tell the two apart at the next fits; an engine's first steps are not observed (lazy
+initialisation makes them slow, and one made prompt tokens look 4x their cost).
 """
 from __future__ import annotations
 
@@ -70,15 +71,18 @@ class StepTimeModel:
         steps = [*self._decode_steps, *self._mixed_steps]
         x = np.array([shape.features() for shape, _ in steps])
         y = np.array([seconds for _, seconds in steps])
-        # The large columns scaled to comparable sizes for the solver; the coefficients scaled back.
+        # The solver takes the rows column first (ahead of the constant, so that steps of one size charge their
+        # time per row and the cap errs small), the large columns scaled to comparable sizes.
+        order = [1, 0, 2, 3]
         scale = np.array([1.0, 1.0, *np.maximum(x[:, 2:].max(axis=0), 1.0)])
-        coef, _ = nnls(x / scale, y)
-        # Once more without the steps the fit misses by far (a first step's warm-up, a stall of a shared host).
-        residual = np.abs(x / scale @ coef - y)
+        x = x[:, order] / scale
+        coef, _ = nnls(x, y)
+        # Once more without the steps the fit misses by far (a stall of a shared host).
+        residual = np.abs(x @ coef - y)
         kept = residual <= OUTLIER_FACTOR * np.median(residual) + 1e-4
         if kept.sum() >= MIN_STEPS and not kept.all():
-            coef, _ = nnls(x[kept] / scale, y[kept])
-        self.coef = coef / scale
+            coef, _ = nnls(x[kept], y[kept])
+        self.coef = (coef / scale)[np.argsort(order)]
 
     def predict(self, shape: StepShape) -> float:
         assert self.coef is not None
