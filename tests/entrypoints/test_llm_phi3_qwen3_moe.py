@@ -15,6 +15,8 @@ import torch
 from teacher_forcing import assert_matches_transformers
 
 from pagellm import LLM, SamplingParams
+from pagellm.core.kv.kv_cache_groups import blocks_needed, group_size, kv_cache_groups
+from pagellm.model_executor.layers.attention import layer_sliding_window
 
 KINDS = ["phi3", "phi3-longrope", "qwen3_moe"]
 PROMPT_LENS = [1, 6, 31, 90, 180]
@@ -67,12 +69,26 @@ def test_cached_prefix_and_preemption(case, prompts, make_token_prompts, pool_by
 
     block_size = 8
     llm = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=block_size, max_num_batched_tokens=64,
-              kv_cache_memory_bytes=pool_bytes(model_dir, block_size, MAX_MODEL_LEN // block_size + 2))
+              kv_cache_memory_bytes=one_request_pool(model_dir, block_size, pool_bytes))
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
     for output in outputs:
         assert_matches_transformers(hf_model, output)
     no_leaks(llm)
+
+
+def one_request_pool(model_dir, block_size: int, pool_bytes) -> int:
+    """Bytes of a pool that holds one full-length request (prefilled in 64-token chunks) and two blocks per KV
+    cache group more, not the batch: with sliding-window layers in groups of their own, a page is a group's layers
+    and those groups keep only their window's blocks."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    layers = config.num_hidden_layers
+    groups = kv_cache_groups([layer_sliding_window(config, i) for i in range(layers)])
+    chunk = 64  # the test's max_num_batched_tokens: a sliding group holds its window and one chunk
+    pages = blocks_needed([g.window for g in groups], MAX_MODEL_LEN - chunk, chunk, block_size) + 2 * len(groups)
+    return pool_bytes(model_dir, block_size, pages) * group_size(groups) // layers
 
 
 def test_n_sampled_sequences_each_match(case, make_token_prompts, no_leaks):
