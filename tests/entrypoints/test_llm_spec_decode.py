@@ -10,9 +10,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
 from pagellm.metrics.prometheus import PrometheusStatLogger
+from pagellm.spec_decode import adaptive
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(autouse=True)
+def fixed_draft_length(monkeypatch):
+    """Every match drafts k tokens. The adaptive length follows the step times this host measures
+    (spec_decode/step_cost.py): a loaded host must not switch drafting off in tests of what drafts produce (the
+    adaptive rule itself: tests/spec_decode/test_adaptive.py)."""
+    monkeypatch.setattr(adaptive, "best_length", lambda rate, max_k, *_: max_k)
 
 
 @pytest.fixture(scope="module")
