@@ -32,7 +32,7 @@ from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import StepTimings
-from pagellm.model_executor.layers.attention import layer_sliding_window
+from pagellm.model_executor.layers.attention import layer_windows
 from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -60,8 +60,7 @@ class EngineCore:
         self.executor.initialize_cache(self.num_blocks, num_host_blocks)
         cache_config = config.cache_config
         # One block table per KV cache group (layers of one attention type): sliding groups free what leaves the window.
-        groups = kv_cache_groups([layer_sliding_window(config.model_config.hf_config, i)
-                                  for i in range(config.model_config.num_layers)])
+        groups = kv_cache_groups(layer_windows(config.model_config.hf_config, config.model_config.num_layers))
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching, num_host_blocks,
                                                group_windows=[group.window for group in groups])

@@ -10,11 +10,14 @@ from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.beam_group import BeamGroup
+from pagellm.core.kv.kv_cache_groups import blocks_needed, kv_cache_groups
 from pagellm.core.kv.kv_cache_manager import cdiv
+from pagellm.core.kv.sliding_window import num_skipped_blocks
 from pagellm.core.request import Request
 from pagellm.exceptions import InvalidRequestError
 from pagellm.lora.registry import LoRARegistry
 from pagellm.lora.request import LoRARequest
+from pagellm.model_executor.layers.attention import layer_windows
 from pagellm.model_executor.models.registry import is_encoder_only
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning import get_reasoning_parser
@@ -40,6 +43,10 @@ class InputProcessor:
         self.enable_prefix_caching = config.cache_config.enable_prefix_caching
         self.block_size = config.cache_config.block_size
         self.num_blocks = num_blocks
+        # The windows of the KV cache groups, each holding a block table (None: full attention): capacity checks
+        # count every group's blocks, as the scheduler does.
+        self.group_windows = [group.window for group in kv_cache_groups(
+            layer_windows(self.model_config.hf_config, self.model_config.num_layers))]
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.reasoning_parser = config.structured_outputs_config.reasoning_parser
@@ -134,7 +141,7 @@ class InputProcessor:
                                       f"{self.max_num_seqs}; lower beam_width or raise --max-num-seqs.")
         # The group must fit the pool on its own, even if no block were shared.
         length = min(len(token_ids) + params.max_tokens, self.model_config.max_model_len)
-        needed = params.beam_width * cdiv(length, self.block_size)
+        needed = params.beam_width * blocks_needed(self.group_windows, length - 1, 1, self.block_size)
         if needed > self.num_blocks:
             raise InvalidRequestError(f"beam_width={params.beam_width} beams of up to {length} tokens need {needed} KV "
                                       f"blocks, more than the {self.num_blocks} in the pool; lower beam_width or "
@@ -197,8 +204,11 @@ class InputProcessor:
         if params.n > self.max_num_seqs:
             raise InvalidRequestError(f"n must be at most max_num_seqs={self.max_num_seqs}, got {params.n}; lower n "
                                       f"or raise --max-num-seqs.")
-        shared = num_prompt_tokens // self.block_size
-        needed = shared + params.n * (cdiv(num_prompt_tokens + 1, self.block_size) - shared)
+        needed = 0
+        for window in self.group_windows:  # a sliding group holds only its window's blocks
+            skipped = num_skipped_blocks(num_prompt_tokens, window, self.block_size)
+            shared = max(0, num_prompt_tokens // self.block_size - skipped)
+            needed += shared + params.n * (cdiv(num_prompt_tokens + 1, self.block_size) - skipped - shared)
         if needed > self.num_blocks:
             raise InvalidRequestError(
                 f"n is too large for the KV cache: {params.n} sequences of {num_prompt_tokens + 1} tokens need "

@@ -129,3 +129,20 @@ def test_the_kv_budget_needs_the_window_not_every_token_in_every_group(model_dir
     with pytest.raises(ValueError, match=f"needs {needed} blocks"):
         LLM(model=str(model_dir), max_model_len=320, block_size=4, max_num_batched_tokens=32,
             kv_cache_memory_bytes=page * (needed - 1))
+
+
+def test_n_is_checked_against_every_groups_blocks(model_dir, make_token_prompts, pool_bytes, no_leaks):
+    """n sequences of a 200-token prompt at their first token, block size 16: the global group holds the prompt's
+    12 full blocks shared and one block per sequence; each of the three local groups one shared block (inside the
+    window) and one per sequence: 15 + 4n pages. A 60-page pool takes n = 11 (59) and refuses n = 12 (63), which a
+    count of one table (12 + n) would have let through to a pool that can never hold it."""
+    from pagellm.exceptions import InvalidRequestError
+
+    llm = LLM(model=str(model_dir), max_model_len=320, block_size=16, max_num_batched_tokens=32,
+              kv_cache_memory_bytes=page_bytes(pool_bytes, model_dir, 16) * 60)
+    prompt = make_token_prompts([200], seed=12)
+    with pytest.raises(InvalidRequestError, match="n is too large for the KV cache: 12 sequences .* need 63 KV"):
+        llm.generate(prompt, SamplingParams(n=12, max_tokens=2), use_tqdm=False)
+    (output,) = llm.generate(prompt, SamplingParams(n=11, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert [len(c.token_ids) for c in output.outputs] == [2] * 11
+    no_leaks(llm)

@@ -17,7 +17,12 @@ from pagellm.model_executor.layers.attention.backend import (
     PrefillChunk,
     PrefillLayout,
 )
-from pagellm.model_executor.layers.attention.layer import Attention, assign_kv_groups, layer_sliding_window
+from pagellm.model_executor.layers.attention.layer import (
+    Attention,
+    assign_kv_groups,
+    layer_sliding_window,
+    layer_windows,
+)
 from pagellm.model_executor.layers.attention.selector import (
     BACKENDS,
     attention_backend,
@@ -45,6 +50,7 @@ __all__ = [
     "attention_backend",
     "check_kv_cache_dtype",
     "layer_sliding_window",
+    "layer_windows",
     "reshape_and_cache",
     "select_backend",
 ]

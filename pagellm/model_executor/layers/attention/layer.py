@@ -27,6 +27,12 @@ def layer_sliding_window(config, index: int) -> int | None:
     return window if layer_types is None or layer_types[index] == "sliding_attention" else None
 
 
+
+def layer_windows(config, num_layers: int) -> list[int | None]:
+    """Every layer's sliding window (None: full attention), in order: what the KV cache groups are made of."""
+    return [layer_sliding_window(config, index) for index in range(num_layers)]
+
+
 class Attention(nn.Module):
     """One layer's attention. `sliding_window` (this layer's; None: the whole sequence): a query at position q sees
     the keys at q - sliding_window < k <= q, exactly transformers' sliding-window mask. `scale` multiplies q.k
