@@ -62,8 +62,8 @@ def has_avx2() -> bool:
 
 
 def has_avx512() -> bool:
-    """Whether the packed-weight tiles take their AVX-512F variant here (kernels/linear.py `use_avx512` asks the CPU
-    itself; this reads the same flag for benchmark headers, without loading a library)."""
+    """Whether the packed-weight tiles and small-M kernels take their AVX-512F variants here (kernels/linear.py
+    `use_avx512` asks the CPU itself; this reads the same flag for benchmark headers, without loading a library)."""
     return has_avx2() and "avx512f" in _cpuinfo("flags").split() and envs.cpu_isa() not in ("scalar", "avx2")
 
 
@@ -89,7 +89,7 @@ def instruction_sets() -> str:
         return "none (no C compiler: PyTorch)"
     if not isa_flags():
         return f"portable scalar ({platform.machine()} baseline)"
-    return "AVX2+FMA+F16C" + (", AVX-512F matmul tiles" if has_avx512() else "")
+    return "AVX2+FMA+F16C" + (", AVX-512F matmul kernels" if has_avx512() else "")
 
 
 def kernel_cache_dir() -> Path:

@@ -174,7 +174,8 @@ static void dequant_block_scalar(int type, block_ref ref, float *dst) {
 /* ---- AVX2 + FMA + F16C ------------------------------------------------------------------------------ */
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
-/* linear_tiles.inc's wider variant, for CPUs with AVX-512F (runtime-checked: pagellm_cpu_has_avx512) */
+/* the wider variants of the tiles and the small-M kernels, for CPUs with AVX-512F (runtime-checked:
+ * pagellm_cpu_has_avx512) */
 #define AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 AVX2 static inline float half_avx2(const uint8_t *p) { return _cvtsh_ss(load_u16(p)); }

@@ -62,7 +62,7 @@ class BatchedRequest:
     pooling_params: PoolingParams | None = None  # a pooling request: this chunk is pooled (see layers/pooler.py)
     lora_request: LoRARequest | None = None  # the adapter its rows run with (see lora/context.py)
     # Speculative decoding: the last `num_spec_tokens` of token_ids are draft tokens; all 1 + num_spec_tokens
-    # last positions are sampled (greedy verification, see core/sched/results.py).
+    # last positions are sampled (verified as spec_decode/verify.py says).
     num_spec_tokens: int = 0
     # Models with several KV cache groups: the other groups' whole tables, as long as `block_ids`.
     group_block_ids: list[list[int]] = field(default_factory=list)

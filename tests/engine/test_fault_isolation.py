@@ -41,8 +41,8 @@ def used_blocks(engine: LLMEngine) -> int:
 
 def fail_sampling_of(monkeypatch, engine: LLMEngine, group_id: str, from_sample: int = 3) -> None:
     """Make sampling raise for every batch that holds one of `group_id`'s sequences, from its `from_sample`-th
-    sample on, after the batch has drawn its random numbers (so the retry must rewind the other requests' seeded
-    generators to draw the same again)."""
+    sample on, after the batch has drawn its random numbers (so the retry must draw the other requests' seeded
+    numbers again, the same: they come from each seed and output position)."""
     model_runner = runner(engine)
     sample_rows = model_runner._sample_rows
     batches = []
@@ -88,7 +88,7 @@ def test_a_request_whose_sampling_fails_fails_alone(engine, monkeypatch):
     tokens, failures = run(engine, PARAMS)
     assert list(failures) == ["bad"] and "injected sampling fault" in failures["bad"]
     expected.pop("bad")
-    # The others, seeded ones included (their generators are rewound before the retry), are unchanged.
+    # The others, seeded ones included (their numbers come from seed and position), are unchanged.
     assert tokens == expected
     assert used_blocks(engine) == 0
     engine.engine_core.scheduler.check_consistency()

@@ -47,8 +47,9 @@ def parse_line(text: str) -> BatchRequestInput | BatchRequestOutput:
 
 
 class BatchDispatcher:
-    """Sends batch lines to `app`. `priority`: set on each body that names none (see BATCH_PRIORITY);
-    `headers`: sent with every line (the API key of whoever submitted the batch)."""
+    """Sends batch lines to `app`. `priority`: set on each body that names none (the server's jobs run at
+    SchedulerConfig.background_priority); `headers`: sent with every line (the API key of whoever submitted the
+    batch)."""
 
     def __init__(self, app: ASGIApp, priority: int = 0, headers: dict[str, str] | None = None,
                  max_concurrency: int = DEFAULT_BATCH_CONCURRENCY) -> None:

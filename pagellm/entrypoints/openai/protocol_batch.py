@@ -10,10 +10,6 @@ from pydantic import BaseModel, Field
 
 from pagellm.entrypoints.openai.protocol_base import OpenAIBaseModel
 
-# Batch lines are submitted with this priority unless their body names one: under --scheduling-policy priority
-# (lower runs first) every interactive request (priority 0) goes ahead of them.
-BATCH_PRIORITY = 1 << 30
-
 BatchStatus = Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled"]
 
 
