@@ -5,9 +5,10 @@ prompt tokens the step may hold. Two rules set them, and without either the limi
   so that its predicted time holds the target, and the prompt tokens that share a step with decodes to the time
   left. While work waits, PREFILL_SHARE of the step's variable time (at least PREFILL_MIN_TOKENS tokens) is kept
   for prompt tokens when the cap is set, so that queued requests keep starting.
-  The running sequences the policy ranks first run; the rest wait, keeping their KV blocks (so a cap that falls
-  stalls requests that have started: the cap starts small, at WARMUP_ROWS, until the model has seen enough steps,
-  and grows as it learns). At least one sequence always runs.
+  The cap aims at HEADROOM of the target (steps scatter around the prediction; the p99 must hold). Sequences that
+  have started decoding always run (a step sat out would cost them more than a step over the target), so the cap
+  decides who starts: the requests the policy ranks first. It starts at WARMUP_ROWS, until the model has seen
+  enough steps, and grows as it learns. At least one sequence always runs.
 - Background work (priority policy): requests of priority `background_priority` or lower (batch jobs' lines) are
   background. While another request waits, running background requests sit the step out (their rows and prompt
   chunks yield the step to it); while others run, background rows, admissions included, are at most half as many
@@ -28,6 +29,7 @@ from pagellm.core.sched.policy import SchedulingPolicy
 from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
 PREFILL_SHARE = 0.25
+HEADROOM = 0.9  # of the target, what the predicted step time is capped at
 PREFILL_MIN_TOKENS = 2  # the prompt tokens kept for while work waits, at least
 WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
 BACKGROUND_ROWS = 8
@@ -85,7 +87,9 @@ class StepLimiter:
     def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy) -> None:
         self.config = config
         self.policy = policy
-        self.target_s = config.target_tpot_ms / 1e3 if config.target_tpot_ms is not None else None
+        # The cap aims at HEADROOM of the target: steps scatter around the model's prediction, and it is the p99
+        # of the time per output token that must hold the target, not its mean.
+        self.target_s = HEADROOM * config.target_tpot_ms / 1e3 if config.target_tpot_ms is not None else None
         self.model = StepTimeModel() if self.target_s is not None else None
 
     @property
@@ -138,7 +142,10 @@ class StepLimiter:
         prefills = any(num_new > 1 for _, num_new in candidates)
         reserve = (self.model.extra_tokens_within(PREFILL_SHARE, self.target_s, PREFILL_MIN_TOKENS)
                    if waiting or prefills else 0)
-        cap = max(1, self.model.rows_within(self.target_s, contexts, reserve))
+        # A sequence already decoding is never deferred: a step it sits out adds a whole step to its time per
+        # output token, more than the over-target steps it spares. The cap limits who starts.
+        decoding = sum(1 for request, _ in candidates if request.num_output_tokens > 0)
+        cap = max(1, decoding, self.model.rows_within(self.target_s, contexts, reserve))
         limits.max_seqs = min(limits.max_seqs, cap)
         candidates = candidates[:cap]
         decodes = [(request, num_new) for request, num_new in candidates if num_new == 1]
