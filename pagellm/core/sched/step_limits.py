@@ -33,7 +33,7 @@ HEADROOM = 0.9  # of the target, what the predicted step time is capped at
 PREFILL_MIN_TOKENS = 2  # the prompt tokens kept for while work waits, at least
 WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
 BACKGROUND_ROWS = 8
-BACKGROUND_PROMPT_TOKENS = 64
+BACKGROUND_PROMPT_TOKENS = 16
 
 
 @dataclass
