@@ -49,3 +49,13 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, prefix_caching:
     kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                                       num_host_blocks=num_host_blocks)
     return Scheduler(scheduler_config, max_model_len, kv_cache_manager, structured_output_manager)
+
+
+def compute(kv: KVCacheManager, request: Request, num_new: int) -> None:
+    """Allocate and mark `num_new` tokens computed, as a step does (past the prompt: tokens sampled before)."""
+    while request.num_tokens < request.num_computed_tokens + num_new:
+        request.append_output_token(1000 + request.num_tokens)
+    assert kv.allocate_slots(request, num_new)
+    request.num_computed_tokens += num_new
+    kv.cache_full_blocks(request)
+    kv.finish_step()

@@ -101,11 +101,16 @@ def run(args: argparse.Namespace) -> None:
             rows.append(row(result, args.input_len, args.output_len))
             print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     csv_path, png_path = args.output.with_suffix(".csv"), args.output.with_suffix(".png")
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, FIELDS, csv_path)
     plot(rows, png_path, f"{model_config.served_model_name} ({model_config.quantization}), {args.input_len} in + "
                          f"{args.output_len} out\n{machine_header()}")
     print(f"wrote {csv_path} and {png_path}")
+
+
+def write_csv(rows: list[dict], fields: list[str], path: Path) -> None:
+    """The sweep's rows as a CSV file (its folder made if need be)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)

@@ -10,7 +10,6 @@ from one level to the next, as a server would.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import random
 import time
@@ -49,6 +48,7 @@ def run_level(llm, prompts: list[list[int]], output_len: int, tag: str) -> dict[
 def run(args: argparse.Namespace) -> None:
     from pagellm import LLM
     from pagellm.benchmarks.machine import machine_header
+    from pagellm.benchmarks.sweep import write_csv
     from pagellm.config import SchedulerConfig
     from pagellm.engine.arg_utils import EngineArgs
 
@@ -77,11 +77,7 @@ def run(args: argparse.Namespace) -> None:
         del llm
         gc.collect()
     csv_path, png_path = args.output.with_suffix(".csv"), args.output.with_suffix(".png")
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, FIELDS, csv_path)
     print(format_table(rows, args.concurrency))
     plot(rows, png_path, args.target_tpot_ms, f"{args.input_len} in + {args.output_len} out\n{machine_header()}")
     print(f"wrote {csv_path} and {png_path}")

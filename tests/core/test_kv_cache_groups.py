@@ -5,12 +5,11 @@ here; check_consistency covers every group after each operation."""
 from __future__ import annotations
 
 import pytest
-from scheduler_factories import make_request
+from scheduler_factories import compute, make_request
 
 from pagellm.core.kv.kv_cache_groups import blocks_needed, group_size, kv_cache_groups, layer_positions
 from pagellm.core.kv.kv_cache_manager import KVCacheManager, group_key
 from pagellm.core.kv.sliding_window import NULL_BLOCK
-from pagellm.core.request import Request
 from pagellm.core.state_snapshot import engine_state
 
 BS, W = 4, 8
@@ -24,15 +23,6 @@ def gemma3_windows(num_layers: int, window: int = 512) -> list[int | None]:
 
 def first_block_read(num_computed: int) -> int:
     return max(0, num_computed - W + 1) // BS
-
-
-def compute(kv: KVCacheManager, request: Request, num_new: int) -> None:
-    while request.num_tokens < request.num_computed_tokens + num_new:
-        request.append_output_token(1000 + request.num_tokens)
-    assert kv.allocate_slots(request, num_new)
-    request.num_computed_tokens += num_new
-    kv.cache_full_blocks(request)
-    kv.finish_step()
 
 
 def tables(kv: KVCacheManager, request_id: str) -> list[list]:

@@ -4,12 +4,11 @@ accounting stays exact (check_consistency) through prefix hits, forks and swappi
 from the window rule written out here: a query at position q reads keys q - W < k <= q."""
 from __future__ import annotations
 
-from scheduler_factories import make_request
+from scheduler_factories import compute, make_request
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.kv.sliding_window import NULL_BLOCK
-from pagellm.core.request import Request
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.core.state_snapshot import request_state
 
@@ -19,16 +18,6 @@ BS, W = 4, 8
 def first_block_read(num_computed: int) -> int:
     """The block holding the oldest key the query at position `num_computed` reads."""
     return max(0, num_computed - W + 1) // BS
-
-
-def compute(kv: KVCacheManager, request: Request, num_new: int) -> None:
-    """Allocate and mark `num_new` tokens computed, as a step does (past the prompt: tokens sampled before)."""
-    while request.num_tokens < request.num_computed_tokens + num_new:
-        request.append_output_token(1000 + request.num_tokens)
-    assert kv.allocate_slots(request, num_new)
-    request.num_computed_tokens += num_new
-    kv.cache_full_blocks(request)
-    kv.finish_step()
 
 
 def live_ids(kv: KVCacheManager, request_id: str) -> list[int]:

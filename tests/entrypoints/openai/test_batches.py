@@ -120,6 +120,20 @@ def test_bench_serve_background_batch_smoke(server, model_dir, capsys):
     assert "Interactive TTFT with a background batch" in capsys.readouterr().out
 
 
+def _start_completion_batch(client: TestClient, body: dict, count: int) -> dict:
+    """A /v1/batches job of `count` completion lines with this body, through the HTTP API; returns it once past
+    validation."""
+    lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                    + "\n" for i in range(count))
+    file_id = client.post("/v1/files", data={"purpose": "batch"},
+                          files={"file": ("b.jsonl", lines.encode())}).json()["id"]
+    batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                             "completion_window": "24h"}).json()
+    while client.get(f"/v1/batches/{batch['id']}").json()["status"] == "validating":
+        time.sleep(0.01)
+    return batch
+
+
 def test_interactive_request_goes_ahead_of_batch_lines_under_priority_policy(model_dir):
     """One sequence per step and --scheduling-policy priority: the batch's lines carry a large priority, so an
     interactive request sent once the batch runs finishes while most of the batch still waits (under fcfs it would
@@ -128,15 +142,8 @@ def test_interactive_request_goes_ahead_of_batch_lines_under_priority_policy(mod
                                                   kv_cache_memory_bytes=1 << 20, scheduling_policy="priority"),
                                        log_stats=False)
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
-    lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": body})
-                    + "\n" for i in range(8))
     with TestClient(build_app(engine, ServerConfig(served_model_names=["tiny"]))) as client:
-        file_id = client.post("/v1/files", data={"purpose": "batch"},
-                              files={"file": ("b.jsonl", lines.encode())}).json()["id"]
-        batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                                 "completion_window": "24h"}).json()
-        while client.get(f"/v1/batches/{batch['id']}").json()["status"] == "validating":
-            time.sleep(0.01)
+        batch = _start_completion_batch(client, body, 8)
         interactive = client.post("/v1/completions", json={**body, "max_tokens": 4})
         counts = client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]
         assert interactive.status_code == 200
@@ -157,15 +164,8 @@ def test_cancel_aborts_the_lines_in_flight(model_dir):
     engine = AsyncLLM.from_engine_args(EngineArgs(model=str(model_dir), max_model_len=128, max_num_seqs=1,
                                                   kv_cache_memory_bytes=1 << 20), log_stats=False)
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True}
-    lines = "".join(json.dumps({"custom_id": f"b{i}", "method": "POST", "url": "/v1/completions", "body": body})
-                    + "\n" for i in range(6))
     with TestClient(build_app(engine, ServerConfig(served_model_names=["tiny"]))) as client:
-        file_id = client.post("/v1/files", data={"purpose": "batch"},
-                              files={"file": ("b.jsonl", lines.encode())}).json()["id"]
-        batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
-                                                 "completion_window": "24h"}).json()
-        while client.get(f"/v1/batches/{batch['id']}").json()["status"] == "validating":
-            time.sleep(0.01)
+        batch = _start_completion_batch(client, body, 6)
         cancelled = client.post(f"/v1/batches/{batch['id']}/cancel").json()
         assert cancelled["status"] == "cancelled"
         while _metric(client, "pagellm:num_requests_running{") + _metric(client, "pagellm:num_requests_waiting{"):
