@@ -161,6 +161,11 @@ class MultiprocExecutor(Executor):
             message = f"Worker rank {worker.rank} failed:\n{payload}"
             if len(self.workers) > 1:
                 # The other ranks may be waiting in a collective this rank never reached: the group is unusable.
+                # A rank that died is why a collective failed on the others: it is named first, whichever of the
+                # two reached this process first.
+                dead = [w for w in self.workers if not w.process.is_alive()]
+                if dead:
+                    message = f"{self._exit_message(dead[0])}\n{message}"
                 raise EngineDeadError(self._fail(message))
             raise RuntimeError(message)
         return payload
