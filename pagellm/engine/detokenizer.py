@@ -1,10 +1,17 @@
-"""Incremental detokenization and stop strings for one request (vLLM's prefix/read-offset technique).
+"""Incremental detokenization and stop strings for one request.
 
-Each new token is decoded together with a short window of the tokens before it: `prefix_offset..read_offset`
-is the window whose text was already emitted, `read_offset..` the tokens not yet turned into text. The text of
-the whole window minus the text of its prefix is the new text, emitted only once it no longer ends in U+FFFD
-(half a UTF-8 character from byte-level BPE pieces or `<0x..>` byte tokens). Every emission boundary is then a
-character boundary, so window decodes concatenate to the full decode, at O(window) cost per token.
+With a fast (Rust) tokenizer, tokens go through tokenizers' `DecodeStream`, which keeps its own window and emits text
+only at character boundaries: 0.6 us a token against 4.7 us for the window decode below (docs/performance.md).
+The window decode (vLLM's prefix/read-offset technique) still serves three cases: tokenizers without a Rust
+backend, `spaces_between_special_tokens=False` with special tokens shown (which `DecodeStream` cannot express), and
+the forced flush of a half character held back when a request ends (which `DecodeStream` never emits).
+
+The window decode: each new token is decoded together with a short window of the tokens before it:
+`prefix_offset..read_offset` is the window whose text was already emitted, `read_offset..` the tokens not yet
+turned into text. The text of the whole window minus the text of its prefix is the new text, emitted only once it
+no longer ends in U+FFFD (half a UTF-8 character from byte-level BPE pieces or `<0x..>` byte tokens). Every
+emission boundary is then a character boundary, so window decodes concatenate to the full decode, at O(window)
+cost per token.
 
 Stop strings are searched only in the new text plus the `len(stop) - 1` characters before it. For streaming,
 `get_next_output_text` holds back the last `max(len(stop)) - 1` characters while the request runs, so text
@@ -14,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from tokenizers.decoders import DecodeStream
 
 from pagellm.sampling_params import SamplingParams
 
@@ -37,6 +46,7 @@ class IncrementalDetokenizer:
     stop_buffer_length: int = field(init=False)
     _sent_offset: int = field(default=0, init=False)  # characters already handed out as deltas
     _added_token_text: dict[int, str] = field(default_factory=dict, init=False)
+    _stream: DecodeStream | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # With the stop string excluded from the output, a partial match at the end of the text may still be
@@ -49,6 +59,8 @@ class IncrementalDetokenizer:
         if not self.spaces_between_special_tokens and not self.skip_special_tokens:
             decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
             self._added_token_text = {i: getattr(t, "content", str(t)) for i, t in decoder.items()}
+        elif getattr(self.tokenizer, "backend_tokenizer", None) is not None:
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     @classmethod
     def from_params(cls, tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
@@ -62,6 +74,16 @@ class IncrementalDetokenizer:
         # make window decodes disagree with each other.
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
+
+    def _stream_next(self, token_id: int) -> str:
+        """`DecodeStream`'s text for one more token; "" while it holds back half a character."""
+        assert self._stream is not None
+        text = self._stream.step(self.tokenizer.backend_tokenizer, token_id)
+        if text is None:
+            return ""
+        # Everything up to here is emitted, which is where a final forced flush (a window decode) starts.
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return text
 
     def _decode_next(self, force: bool = False) -> str:
         """Text of the tokens from `read_offset` on, or "" while it would end in half a character (unless
@@ -95,7 +117,7 @@ class IncrementalDetokenizer:
         new_text = ""
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
-            new_text += self._decode_next()
+            new_text += self._stream_next(token_id) if self._stream is not None else self._decode_next()
         if finished:
             new_text += self._decode_next(force=True)
         self.output_text += new_text
