@@ -10,16 +10,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pagellm.entrypoints.openai.protocol_responses import ChatCompletionStreamResponse, UsageInfo
-from pagellm.entrypoints.openai.protocol_responses_api import (
+from pagellm.entrypoints.openai.protocol_responses_api import FunctionCallItem, OutputText, ReasoningItem, ReasoningText
+from pagellm.entrypoints.openai.protocol_responses_api_output import (
     ContentPartEvent,
     FunctionCallArgumentsEvent,
-    FunctionCallItem,
     OutputItem,
     OutputItemEvent,
     OutputMessage,
-    OutputText,
-    ReasoningItem,
-    ReasoningText,
     ResponseErrorEvent,
     ResponseLifecycleEvent,
     ResponseObject,

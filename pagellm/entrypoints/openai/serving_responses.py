@@ -28,20 +28,22 @@ from pagellm.entrypoints.openai.protocol_responses_api import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
-    IncompleteDetails,
     InputItem,
-    InputTokensDetails,
     MessageItem,
-    OutputItem,
-    OutputMessage,
     OutputText,
     ReasoningItem,
     ReasoningText,
+    ResponsesRequest,
+    TextConfig,
+)
+from pagellm.entrypoints.openai.protocol_responses_api_output import (
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItem,
+    OutputMessage,
     ResponseDeleted,
     ResponseObject,
-    ResponsesRequest,
     ResponseUsage,
-    TextConfig,
     new_id,
 )
 from pagellm.entrypoints.openai.protocol_structured import ToolCall

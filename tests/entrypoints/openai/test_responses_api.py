@@ -16,7 +16,7 @@ import pytest
 
 from pagellm.entrypoints.openai.errors import OpenAIServingError
 from pagellm.entrypoints.openai.protocol_responses import ChatMessage
-from pagellm.entrypoints.openai.protocol_responses_api import ResponseObject
+from pagellm.entrypoints.openai.protocol_responses_api_output import ResponseObject
 from pagellm.entrypoints.openai.responses_stream import ResponseEvents
 from pagellm.entrypoints.openai.serving_responses import ResponseStore, output_items
 

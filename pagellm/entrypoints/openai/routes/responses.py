@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol_responses_api import ResponseDeleted, ResponseObject, ResponsesRequest
+from pagellm.entrypoints.openai.protocol_responses_api import ResponsesRequest
+from pagellm.entrypoints.openai.protocol_responses_api_output import ResponseDeleted, ResponseObject
 from pagellm.entrypoints.openai.routes.shared import GENERATION_ERRORS, respond
 from pagellm.entrypoints.openai.routes.state import ServerStateDep
 from pagellm.entrypoints.utils import with_cancellation
