@@ -24,7 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from pagellm.benchmarks.serve import add_server_args, listed_model, load_tokenizer, random_prompts, server_address
+from pagellm.benchmarks.serve_load import add_server_args, listed_model, server_address
+from pagellm.benchmarks.serve_prompts import load_tokenizer, random_prompts
 from pagellm.benchmarks.soak_report import (
     Outcome,
     ServerState,

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagellm.benchmarks import serve as bench
+from pagellm.benchmarks import serve_load, serve_metrics, serve_prompts
 
 FIRST_DELAY, GAP, PROMPT_TOKENS = 0.1, 0.02, 7
 
@@ -30,13 +31,13 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_compute_metrics_matches_numpy():
-    R = bench.RequestResult
+    R = serve_load.RequestResult
     results = [R(True, 10, 4, ttft=0.10, itl=[0.02, 0.03, 0.025], latency=0.175),
                R(True, 20, 1, ttft=0.30, itl=[], latency=0.30),
                R(True, 15, 6, ttft=0.05, itl=[0.01] * 5, latency=0.12),
                R(False, 12, 0, error="HTTP 400: nope")]
     duration = 2.0
-    metrics = bench.compute_metrics(results, duration, ["ttft", "tpot", "itl", "e2el"], [50, 90, 99])
+    metrics = serve_metrics.compute_metrics(results, duration, ["ttft", "tpot", "itl", "e2el"], [50, 90, 99])
     ok = results[:3]
     ttft = np.array([0.10, 0.30, 0.05]) * 1000
     tpot = np.array([(0.175 - 0.10) / 3, (0.12 - 0.05) / 5]) * 1000  # the 1-token request has no TPOT
@@ -54,12 +55,12 @@ def test_compute_metrics_matches_numpy():
         assert metrics[f"std_{name}_ms"] == pytest.approx(values.std())
         for p in (50, 90, 99):
             assert metrics[f"p{p}_{name}_ms"] == pytest.approx(np.percentile(values, p))
-    report = bench.format_report(metrics, ["ttft", "tpot", "itl", "e2el"], [50, 90, 99], None)
+    report = serve_metrics.format_report(metrics, ["ttft", "tpot", "itl", "e2el"], [50, 90, 99], None)
     assert "Successful requests:" in report and "P99 ITL (ms):" in report and "Mean TPOT (ms):" in report
 
 
 def test_compute_metrics_without_successes_reports_zeros():
-    metrics = bench.compute_metrics([bench.RequestResult(error="boom")], 1.0)
+    metrics = serve_metrics.compute_metrics([serve_load.RequestResult(error="boom")], 1.0)
     assert metrics["completed"] == 0 and metrics["failed"] == 1
     assert metrics["mean_ttft_ms"] == 0 and metrics["p99_e2el_ms"] == 0
 
@@ -69,15 +70,16 @@ def test_compute_metrics_without_successes_reports_zeros():
 
 def test_poisson_arrivals_have_mean_gap_one_over_rate_and_burstiness_sets_the_variance():
     rate, n = 10.0, 20000
-    gaps = {k: np.diff(bench.arrival_offsets(n, rate, k, seed=0)) for k in (0.25, 1.0, 4.0)}
+    gaps = {k: np.diff(serve_load.arrival_offsets(n, rate, k, seed=0)) for k in (0.25, 1.0, 4.0)}
     for k, g in gaps.items():
         assert g.mean() == pytest.approx(1 / rate, rel=0.05)
         # Gamma(shape k, scale 1 / (rate k)) has variance 1 / (rate^2 k); k = 1 is exponential (Poisson).
         assert g.var() == pytest.approx(1 / (rate**2 * k), rel=0.1)
     assert gaps[0.25].var() > gaps[1.0].var() > gaps[4.0].var()
-    assert bench.arrival_offsets(5, rate, 1.0, seed=0)[0] == 0.0
-    np.testing.assert_array_equal(bench.arrival_offsets(50, rate, 1.0, 3), bench.arrival_offsets(50, rate, 1.0, 3))
-    assert not bench.arrival_offsets(4, float("inf"), 1.0, 0).any()
+    assert serve_load.arrival_offsets(5, rate, 1.0, seed=0)[0] == 0.0
+    np.testing.assert_array_equal(serve_load.arrival_offsets(50, rate, 1.0, 3),
+                                  serve_load.arrival_offsets(50, rate, 1.0, 3))
+    assert not serve_load.arrival_offsets(4, float("inf"), 1.0, 0).any()
 
 
 # ---------------------------------------------------------------- end to end against a fake server
@@ -145,15 +147,15 @@ def running(server: FakeServer):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return bench.load_tokenizer(None)  # the default model's tokenizer, loaded once (cached) for every run below
+    return serve_prompts.load_tokenizer(None)  # the default model's tokenizer, loaded once (cached) for every run below
 
 
 def test_random_prompts_have_the_asked_lengths_and_follow_the_seed(tokenizer):
-    prompts = bench.random_prompts(tokenizer, 20, 32, 8, 0.5, seed=0)
+    prompts = serve_prompts.random_prompts(tokenizer, 20, 32, 8, 0.5, seed=0)
     assert all(16 <= p.prompt_len <= 48 and 4 <= p.output_len <= 12 for p in prompts)
     assert len({p.output_len for p in prompts}) > 1  # the range ratio spreads the lengths
     assert all(len(tokenizer.encode(p.prompt, add_special_tokens=False)) <= p.prompt_len + 2 for p in prompts)
-    assert prompts == bench.random_prompts(tokenizer, 20, 32, 8, 0.5, seed=0)
+    assert prompts == serve_prompts.random_prompts(tokenizer, 20, 32, 8, 0.5, seed=0)
 
 
 def test_completions_run_measures_streams_and_respects_max_concurrency(tokenizer, tmp_path, capsys):

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from pagellm.benchmarks import serve as bench
+from pagellm.benchmarks import serve_load, serve_metrics, serve_prompts
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -23,27 +24,28 @@ def test_mix_flag_parses_and_rejects_nonsense():
 
 
 def test_mixed_prompts_place_the_long_ones_by_the_seed():
-    tokenizer = bench.load_tokenizer(None)
-    prompts, is_long = bench.mixed_prompts(tokenizer, 20, 16, 4, 0.0, (0.25, 64, 9), seed=3)
+    tokenizer = serve_prompts.load_tokenizer(None)
+    prompts, is_long = serve_prompts.mixed_prompts(tokenizer, 20, 16, 4, 0.0, (0.25, 64, 9), seed=3)
     assert sum(is_long) == 5 and len(prompts) == 20
     assert all((p.output_len, p.prompt_len > 40) == ((9, True) if long else (4, False))
                for p, long in zip(prompts, is_long))
-    assert bench.mixed_prompts(tokenizer, 20, 16, 4, 0.0, (0.25, 64, 9), seed=3) == (prompts, is_long)
-    assert bench.mixed_prompts(tokenizer, 20, 16, 4, 0.0, (0.25, 64, 9), seed=4)[1] != is_long
-    assert sum(bench.mixed_prompts(tokenizer, 3, 16, 4, 0.0, (0.01, 64, 9), seed=0)[1]) == 1  # at least one
+    assert serve_prompts.mixed_prompts(tokenizer, 20, 16, 4, 0.0, (0.25, 64, 9), seed=3) == (prompts, is_long)
+    assert serve_prompts.mixed_prompts(tokenizer, 20, 16, 4, 0.0, (0.25, 64, 9), seed=4)[1] != is_long
+    assert sum(serve_prompts.mixed_prompts(tokenizer, 3, 16, 4, 0.0, (0.01, 64, 9), seed=0)[1]) == 1  # at least one
 
 
 def test_class_metrics_split_short_and_long():
-    R = bench.RequestResult
+    R = serve_load.RequestResult
     results = [R(True, ttft=t) for t in (0.1, 0.2, 0.3, 0.4)] + [R(True, ttft=2.0), R(True, ttft=5.0),
                                                                 R(False, error="boom")]
     is_long = [False] * 4 + [True, True, False]
-    metrics = bench.class_metrics(results, is_long)
+    metrics = serve_metrics.class_metrics(results, is_long)
     assert metrics["short_completed"] == 4 and metrics["long_completed"] == 2
     assert metrics["short_p50_ttft_ms"] == pytest.approx(250.0)
     assert metrics["short_p99_ttft_ms"] == pytest.approx(397.0)
     assert metrics["long_max_ttft_ms"] == pytest.approx(5000.0)
-    report = bench.format_report({**bench.compute_metrics(results, 1.0), **metrics}, ["ttft"], [99.0], None)
+    report = serve_metrics.format_report({**serve_metrics.compute_metrics(results, 1.0), **metrics}, ["ttft"], [99.0],
+                                         None)
     assert "Short P99 TTFT (ms):" in report and "Long max TTFT (ms):" in report
 
 
