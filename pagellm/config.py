@@ -156,24 +156,36 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "short-first")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
 class SpeculativeConfig:
     """vLLM's speculative decoding settings (--speculative-config as JSON). `ngram`: prompt lookup, drafts copied
     from the prompt and output so far after the longest suffix n-gram (prompt_lookup_min..max tokens) seen before
-    (see spec_decode/)."""
+    (see spec_decode/). `draft_model`: a smaller model (`model`, with the target's vocabulary) drafts greedily in
+    the worker (worker/draft_proposer.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: the most draft tokens a request verifies a step (spec_decode/adaptive.py)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # draft_model: the draft's checkpoint directory, .gguf file or hub id, and its tensor-parallel size (1 only).
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    # Resolved by EngineArgs from `model` (not a user field): the draft's ModelConfig.
+    draft_model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                              f"{self.method!r}; fix --speculative-config.")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model of method 'draft_model', which needs "
+                             f"it (got method {self.method!r}, model {self.model!r}); fix --speculative-config.")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size must be 1 (the draft runs on one rank), "
+                             f"got {self.draft_tensor_parallel_size}; fix --speculative-config.")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at least 1, got "
                              f"{self.num_speculative_tokens}; fix --speculative-config.")
@@ -183,10 +195,10 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
-        unknown = set(values) - {f.name for f in fields(cls)}
+        known = [f.name for f in fields(cls) if f.name != "draft_model_config"]
+        unknown = set(values) - set(known)
         if unknown:
-            raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}; known: "
-                             f"{', '.join(f.name for f in fields(cls))}.")
+            raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}; known: {', '.join(known)}.")
         return cls(**values)
 
 

@@ -30,6 +30,7 @@ from pagellm.config import (
     resolve_device,
     resolve_dtype,
 )
+from pagellm.engine.draft_model_config import resolve_draft_model
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from pagellm.model_executor.layers.rotary_embedding import longrope_limit
@@ -160,7 +161,9 @@ class EngineArgs:
                                              short_first_max_wait=self.short_first_max_wait,
                                              target_tpot_ms=self.target_tpot_ms,
                                              async_scheduling=self.async_scheduling,
-                                             speculative_config=self._speculative_config()),
+                                             speculative_config=resolve_draft_model(
+                                                 self._speculative_config(), model_config, parallel_config,
+                                                 device.type == "cpu")),
             device_config=DeviceConfig(device=device),
             parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(

@@ -215,7 +215,8 @@ class EngineCore:
         collected = time.perf_counter()
         self.scheduler.observe_step_time(output, collected - (self._step_clock or collected))
         updated, _ = self.scheduler.update_from_output(output, result.sampled_token_ids, result.logprobs,
-                                                       result.prompt_logprobs, result.failed, result.pooler_output)
+                                                       result.prompt_logprobs, result.failed, result.pooler_output,
+                                                       result.draft_token_ids)
         self._step_clock = collected if self.scheduler.has_unfinished_requests() else None
         self._sample_late_batch()
         outputs = EngineCoreOutputs([self._snapshot(request) for request in updated],

@@ -78,6 +78,8 @@ class ModelRunnerOutput:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # request id -> its chunk's pooled contribution (float32), for pooling requests (see layers/pooler.py).
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    # request id -> the draft made for its placeholder slots (speculative method draft_model, see the worker).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.cache_engine import CacheEngine, kv_bytes_per_block
 from pagellm.worker.cpu_affinity import available_cores, bind_to_cores, slot_groups
+from pagellm.worker.draft_proposer import DraftModelProposer
 from pagellm.worker.host_allocator import keep_large_allocations_on_heap
 from pagellm.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -71,6 +72,16 @@ class Worker:
         # An encoder attends over whole prompts and keeps no K/V (layers/attention/encoder.py): its blocks are the
         # scheduler's bookkeeping only, with no cache tensors behind them.
         self.encoder_only = is_encoder_only(config.model_config.architecture)
+        # Speculative method draft_model: the draft model drafts into the step's placeholder slots, in a KV cache of
+        # its own addressed by the same block tables (worker/draft_proposer.py).
+        spec = config.scheduler_config.speculative_config
+        self.draft_proposer: DraftModelProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            if spec.draft_model_config is None:
+                raise ValueError("speculative_config method 'draft_model' needs its draft_model_config, which "
+                                 "EngineArgs resolves from speculative_config.model; build the config with EngineArgs.")
+            self.draft_proposer = DraftModelProposer(spec.draft_model_config, config.cache_config, self.device)
+        self._step_drafts: dict[str, list[int]] = {}  # the drafts of the step waiting for its grammar bitmask
 
     def init_device(self) -> None:
         parallel = self.config.parallel_config
@@ -98,6 +109,8 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        if self.draft_proposer is not None:
+            self.draft_proposer.load_model()
 
     def weight_bytes(self) -> int:
         return self.model_runner.weight_bytes()
@@ -158,7 +171,8 @@ class Worker:
             logger.info("Encoder-only model: no KV cache; the scheduler counts %d blocks of %d tokens.", blocks,
                         cache_config.block_size)
             return blocks
-        per_block = self._kv_bytes_per_block()
+        # A draft model's cache has as many blocks as the target's (the same block tables address both).
+        per_block = self._kv_bytes_per_block() + (self.draft_proposer.bytes_per_block() if self.draft_proposer else 0)
         budget = self.determine_kv_cache_bytes()
         num_blocks = budget // per_block
         max_len = self.config.model_config.max_model_len
@@ -210,6 +224,8 @@ class Worker:
             return
         graphs = self.uses_decode_graphs()
         self._attach_cache(num_blocks + graphs, num_host_blocks)
+        if self.draft_proposer is not None:
+            self.draft_proposer.attach_cache(num_blocks)
         if graphs:
             self.model_runner.capture_decode_graphs(self.config.scheduler_config.max_num_seqs, num_blocks)
 
@@ -234,8 +250,19 @@ class Worker:
         self.cache_engine.swap_in(output.blocks_to_swap_in)
         if output.blocks_to_copy:
             self.cache_engine.copy_blocks(output.blocks_to_copy)
-        return self.model_runner.execute_model(output)
+        if self.draft_proposer is None:
+            return self.model_runner.execute_model(output)
+        self.draft_proposer.copy_blocks(output.blocks_to_copy)
+        output, self._step_drafts = self.draft_proposer.propose(output)
+        return self._with_drafts(self.model_runner.execute_model(output))
 
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Sample the step `execute_model` left waiting for its grammar bitmask."""
-        return self.model_runner.sample_tokens(grammar)
+        return self._with_drafts(self.model_runner.sample_tokens(grammar))
+
+    def _with_drafts(self, result: ModelRunnerOutput | AsyncModelRunnerOutput | None
+                     ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
+        """The step's result with the drafts its draft model made (kept until the step samples)."""
+        if isinstance(result, ModelRunnerOutput) and self._step_drafts:
+            result.draft_token_ids, self._step_drafts = self._step_drafts, {}
+        return result

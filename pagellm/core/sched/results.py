@@ -38,11 +38,13 @@ class ResultApplier:
 
     def apply(self, output: SchedulerOutput, sampled: dict[str, list[int]], logprobs: dict[str, list] | None,
               prompt_logprobs: dict | None, errors: dict[str, str],
-              pooled: dict[str, np.ndarray] | None = None) -> tuple[list[Request], list[BeamGroup]]:
+              pooled: dict[str, np.ndarray] | None = None,
+              drafts: dict[str, list[int]] | None = None) -> tuple[list[Request], list[BeamGroup]]:
         """Apply each scheduled request's results, then advance the beam groups whose beams all have their
         candidates; returns (sequences that got a token or finished pooling, beam groups that finished). `errors`
         (group id -> why) holds the groups that already failed, which are skipped; a request or group whose update
-        raises is added to it. `pooled`: request id -> its chunk's pooled contribution."""
+        raises is added to it. `pooled`: request id -> its chunk's pooled contribution. `drafts`: request id -> the
+        draft the worker made for its placeholders (speculative method draft_model, spec_decode/draft_model.py)."""
         updated: list[Request] = []
         finished_groups: list[BeamGroup] = []
         ready_groups: dict[str, BeamGroup] = {}
@@ -54,6 +56,8 @@ class ResultApplier:
                 if request.pooling_params is not None:
                     updated += self._update_pooling(request, scheduled, pooled or {})
                     continue
+                if scheduled.spec_token_ids and drafts and request.request_id in drafts:
+                    scheduled = dataclasses.replace(scheduled, spec_token_ids=drafts[request.request_id])
                 updated += self._update_request(request, scheduled, sampled, logprobs, prompt_logprobs)
             except Exception as exc:
                 logger.exception("Updating request %s failed; it fails alone.", request.request_id)

@@ -254,7 +254,8 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                            logprobs: dict[str, list] | None = None, prompt_logprobs: dict | None = None,
                            failed: dict[str, str] | None = None,
-                           pooled: dict[str, np.ndarray] | None = None) -> tuple[list[Request], list[Request]]:
+                           pooled: dict[str, np.ndarray] | None = None,
+                           draft_token_ids: dict[str, list[int]] | None = None) -> tuple[list[Request], list[Request]]:
         """Advance every scheduled request; returns (requests that got a new token, requests that finished).
 
         `sampled`: request id -> its sampled tokens (n of them when the request forks into n sequences).
@@ -262,6 +263,7 @@ class Scheduler:
         `prompt_logprobs`: request id -> (index of the first entry, entries) for this step's prompt chunk;
         entries a preempted request already has (recomputed prefill) are not appended again.
         `pooled`: request id -> the pooled contribution of a pooling request's chunk (it finishes with its prompt).
+        `draft_token_ids`: request id -> the draft the worker's draft model put in its placeholder slots.
         `failed`: request id -> why the worker could not compute it; those requests (and any whose update raises)
         fail with their groups (`fail_requests`) and are left out of the returned lists.
         Beams get no token here: their candidates are stored, and their group advances once all have them."""
@@ -269,7 +271,8 @@ class Scheduler:
         self.planner.land(output)
         # Keyed by group: a sibling that finished earlier in this update must not hide its group's failure.
         errors = {self.requests[rid].group_id: error for rid, error in (failed or {}).items() if rid in self.requests}
-        updated, finished_groups = self.applier.apply(output, sampled, logprobs, prompt_logprobs, errors, pooled)
+        updated, finished_groups = self.applier.apply(output, sampled, logprobs, prompt_logprobs, errors, pooled,
+                                                      draft_token_ids)
         self._finished_beam_groups += finished_groups
         if errors:
             self.queues.fail(errors)
