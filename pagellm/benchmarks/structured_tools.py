@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagellm.entrypoints.openai.tool_calls import ExtractedToolCalls, extract_tool_calls, tool_call_constraint
 
 

@@ -16,7 +16,7 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from pagellm.entrypoints.openai.completion_logprobs import LOGPROB_FLOOR, prompt_logprobs_response
 from pagellm.entrypoints.openai.errors import OpenAIServingError, sse_error
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagellm.entrypoints.openai.protocol_responses import (
     ChatCompletionLogProbs,
     ChatCompletionResponse,

@@ -13,7 +13,7 @@ from typing import cast
 
 from pagellm.entrypoints.openai.completion_logprobs import completion_logprobs, prompt_logprobs_response
 from pagellm.entrypoints.openai.errors import OpenAIServingError, sse_error
-from pagellm.entrypoints.openai.protocol import CompletionRequest
+from pagellm.entrypoints.openai.protocol_completion import CompletionRequest
 from pagellm.entrypoints.openai.protocol_responses import CompletionResponse, CompletionResponseChoice
 from pagellm.entrypoints.openai.serving_engine import (
     IndexedOutput,

@@ -13,7 +13,8 @@ from jinja2 import TemplateError
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from pagellm.entrypoints.openai.errors import OpenAIServingError
-from pagellm.entrypoints.openai.protocol import ChatMessageParam, SamplingRequest
+from pagellm.entrypoints.openai.protocol import SamplingRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatMessageParam
 from pagellm.entrypoints.openai.protocol_responses import PromptTokenUsageInfo, UsageInfo
 from pagellm.entrypoints.utils import merge_async_iterators
 from pagellm.lora.request import LoRARequest

@@ -18,7 +18,6 @@ from pydantic_core import from_json
 
 from pagellm.entrypoints.openai.anthropic_errors import anthropic_error
 from pagellm.entrypoints.openai.errors import OpenAIServingError, to_error_body
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TextContentPart
 from pagellm.entrypoints.openai.protocol_anthropic import (
     AnthropicContentBlockDeltaEvent,
     AnthropicContentBlockStartEvent,
@@ -44,6 +43,7 @@ from pagellm.entrypoints.openai.protocol_anthropic import (
     AnthropicUsage,
     sse_event,
 )
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatMessageParam, TextContentPart
 from pagellm.entrypoints.openai.protocol_responses import ChatCompletionStreamResponse, UsageInfo
 from pagellm.entrypoints.openai.protocol_structured import DeltaToolCall, FunctionCall, ToolCall
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat

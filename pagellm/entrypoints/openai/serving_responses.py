@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from pagellm.entrypoints.openai.errors import OpenAIServingError, to_error_body
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TextContentPart
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatMessageParam, TextContentPart
 from pagellm.entrypoints.openai.protocol_responses import ChatMessage, UsageInfo
 from pagellm.entrypoints.openai.protocol_responses_api import (
     DEFAULT_MAX_STORED_RESPONSES,

@@ -3,8 +3,12 @@ the generation endpoints: a prompt longer than max_model_len tokens is refused."
 from __future__ import annotations
 
 from pagellm.entrypoints.openai.errors import OpenAIServingError
-from pagellm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from pagellm.entrypoints.openai.protocol_responses import DetokenizeResponse, TokenizeResponse
+from pagellm.entrypoints.openai.protocol_tokenize import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from pagellm.entrypoints.openai.serving_engine import OpenAIServing
 
 

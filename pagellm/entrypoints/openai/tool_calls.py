@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagellm.entrypoints.openai.protocol_structured import (
     ChatCompletionNamedToolChoiceParam,
     DeltaFunctionCall,

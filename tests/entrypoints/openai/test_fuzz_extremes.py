@@ -26,10 +26,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeChatRequest
 from pagellm.entrypoints.openai.protocol_anthropic import AnthropicMessagesRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_completion import CompletionRequest
 from pagellm.entrypoints.openai.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagellm.entrypoints.openai.protocol_responses_api import ResponsesRequest
+from pagellm.entrypoints.openai.protocol_tokenize import TokenizeChatRequest
 
 VOCAB_SIZE = 49152  # the tiny model's (SmolLM2's tokenizer)
 EXAMPLES_PER_ENDPOINT = 600

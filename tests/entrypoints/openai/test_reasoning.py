@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagellm.entrypoints.openai.serving_chat import ChoiceStreamer, chat_message
 from pagellm.reasoning import get_reasoning_parser
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagellm.entrypoints.openai.tool_calls import ToolCallStreamer, extract_tool_calls, tool_call_constraint
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

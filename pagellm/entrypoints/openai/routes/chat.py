@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagellm.entrypoints.openai.protocol_responses import ChatCompletionResponse
 from pagellm.entrypoints.openai.routes.shared import GENERATION_ERRORS, respond
 from pagellm.entrypoints.openai.routes.state import ServerStateDep

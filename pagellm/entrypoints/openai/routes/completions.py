@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol import CompletionRequest
+from pagellm.entrypoints.openai.protocol_completion import CompletionRequest
 from pagellm.entrypoints.openai.protocol_responses import CompletionResponse
 from pagellm.entrypoints.openai.routes.shared import GENERATION_ERRORS, respond
 from pagellm.entrypoints.openai.routes.state import ServerStateDep

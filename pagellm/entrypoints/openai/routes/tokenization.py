@@ -6,8 +6,12 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from pagellm.entrypoints.openai.openapi import responses
-from pagellm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from pagellm.entrypoints.openai.protocol_responses import DetokenizeResponse, TokenizeResponse
+from pagellm.entrypoints.openai.protocol_tokenize import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from pagellm.entrypoints.openai.routes.shared import WITH_BODY_ERRORS, respond
 from pagellm.entrypoints.openai.routes.state import ServerStateDep
 
