@@ -6,7 +6,8 @@ Everything else stays on the event loop, in the front end it shares with the off
 tokenization and validation, detokenization, stop strings, RequestOutputs, beam search results), with timing for
 metrics. Requests and aborts go to the client, and any other command as a utility call (`call_utility`: finishing
 sequences a stop string ended, the dashboard's state snapshot); each engine pass's CoreUpdate comes back on the
-client's thread and is handed to the event loop of each request's consumer with `loop.call_soon_threadsafe`. The
+client's thread and is handed to the event loop of each request's consumer with `loop.call_soon_threadsafe`
+(request_streams.py: the requests' output queues and that hand-off; this module: the API and its lifecycle). The
 model therefore never waits for text processing, and a busy HTTP side only delays its own outputs. Torch releases
 the GIL in its kernels, so both sides make progress on one process.
 """
@@ -14,43 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import Future
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 from pagellm.beam_search import BeamSearchOutput
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.async_stats import FrontendStats, record_beam_search
+from pagellm.engine.async_stats import FrontendStats
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import EngineCoreClient, InprocClient
 from pagellm.engine.core_loop import resolve_future
-from pagellm.engine.core_output import CoreUpdate, EngineCoreOutput
 from pagellm.engine.frontend import EngineFrontend
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.exceptions import EngineDeadError, InvalidRequestError, request_failure
+from pagellm.engine.request_streams import Aborted, RequestStream, RequestStreams
+from pagellm.exceptions import EngineDeadError, InvalidRequestError
 from pagellm.logger import init_logger
-from pagellm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats, StatLoggerBase
+from pagellm.metrics.stats import IterationStats, SchedulerStats, StatLoggerBase
 from pagellm.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = init_logger(__name__)
-
-
-class _Aborted:
-    """Sent to a request's queue when it is aborted: its generate() ends without a finished output."""
-
-
-@dataclass(eq=False)
-class _RequestStream:
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # of RequestOutput | BeamSearchOutput | _Aborted | BaseException
-    stats: RequestStateStats
-    engine_index: int = 0  # the engine core (data-parallel replica) that runs it
 
 
 class AsyncLLM:
@@ -62,10 +49,10 @@ class AsyncLLM:
         self.config = frontend.config
         self.max_waiting_requests = max_waiting_requests
         self.stats = FrontendStats(client.initial_stats(), log_stats)
-        self._streams: dict[str, _RequestStream] = {}  # live requests (the client's threads only read it)
+        self._streams = RequestStreams(client, frontend, self.stats)
         self._utility_calls: set[Future] = set()  # call_utility() calls being answered
         self._stopped_reason: str | None = None
-        client.start(self._on_update, self._on_dead)
+        client.start(self._streams.on_update, self._on_dead)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, max_waiting_requests: int | None = None,
@@ -123,8 +110,8 @@ class AsyncLLM:
                       priority: int, arrival: float) -> AsyncGenerator[Any, None]:
         """Validate and queue a request, then its outputs (see `_stream_outputs`)."""
         request = self.frontend.process(request_id, prompt, params, priority)
-        self._check_unused(request_id)
-        stream = self._open_stream(request_id, arrival)
+        self._streams.check_unused(request_id)
+        stream = self._streams.open(request_id, arrival)
         self.frontend.track(request)
         stream.engine_index = self.client.add_request(request)
         async with aclosing(self._stream_outputs(stream)) as outputs:
@@ -136,10 +123,10 @@ class AsyncLLM:
         """The beam search LLM.beam_search runs (beams inside the engine, sharing KV blocks), as a request of its
         own: yields one BeamSearchOutput, beams best first, when it finishes. Errors and aborts as in generate()."""
         self._check_alive()
-        self._check_unused(request_id)  # first: the front end keys a beam search's prompt length by its id
+        self._streams.check_unused(request_id)  # first: the front end keys a beam search's prompt length by its id
         arrival = time.monotonic()
         request, group = self.frontend.process_beam_search(request_id, prompt, params)
-        stream = self._open_stream(request_id, arrival)
+        stream = self._streams.open(request_id, arrival)
         stream.stats.num_prompt_tokens = request.num_prompt_tokens
         stream.engine_index = self.client.add_request(request, group)
         async with aclosing(self._stream_outputs(stream)) as outputs:
@@ -150,21 +137,11 @@ class AsyncLLM:
         if self._stopped_reason is not None:
             raise EngineDeadError(self._stopped_reason)
 
-    def _check_unused(self, request_id: str) -> None:
-        if request_id in self._streams:
-            raise InvalidRequestError(f"Request id {request_id!r} is already in use.")
-
-    def _open_stream(self, request_id: str, arrival: float) -> _RequestStream:
-        stream = _RequestStream(request_id, asyncio.get_running_loop(), asyncio.Queue(),
-                                RequestStateStats(arrival_time=arrival))
-        self._streams[request_id] = stream
-        return stream
-
-    async def _stream_outputs(self, stream: _RequestStream) -> AsyncGenerator[Any, None]:
+    async def _stream_outputs(self, stream: RequestStream) -> AsyncGenerator[Any, None]:
         """A queued request's outputs until its last one; leaving early aborts it."""
         request_id = stream.request_id
         if self._stopped_reason is not None:  # checked after queueing: a dying engine may have missed it
-            self._drop(request_id)
+            self._streams.drop(request_id)
             raise EngineDeadError(self._stopped_reason)
         done = False
         try:
@@ -173,12 +150,12 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     done = True
                     raise item
-                if isinstance(item, _Aborted):
+                if isinstance(item, Aborted):
                     return
                 done = isinstance(item, BeamSearchOutput) or item.finished
                 yield item
         finally:
-            self._drop(request_id)
+            self._streams.drop(request_id)
             if not done:
                 # The consumer went away (client disconnect, cancellation) or abort() was called: free the blocks.
                 self.client.abort_requests([request_id])
@@ -187,15 +164,8 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its generate() iteration ends. Unknown or finished ids are ignored."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._drop(request_id)
-            stream.queue.put_nowait(_Aborted())
+        self._streams.abort(request_id)
         self.client.abort_requests([request_id])
-
-    def _drop(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self.frontend.abort([request_id])
 
     def shutdown(self) -> None:
         """Abort every request in flight (each consumer gets EngineDeadError) and stop the engine cores."""
@@ -255,101 +225,16 @@ class AsyncLLM:
     def do_log_stats(self) -> None:
         self.stats.log()
 
-    def _process_core_outputs(self, engine_index: int, outputs: list[EngineCoreOutput], failed: dict[str, str],
-                              beam_searches: dict[str, BeamSearchOutput]) -> None:
-        """On the event loop: detokenize one engine pass's outputs, report stop-string finishes to the engine,
-        timestamp and queue each request's RequestOutput (and each finished beam search's result), then record
-        their stats. Requests that failed (in the core, or here while building their output) end with
-        RequestFailedError, or InvalidRequestError when the request itself was at fault."""
-        processed = self.frontend.output_processor.process_outputs(outputs, delta=True)
-        if processed.stopped:
-            self.client.call_utility(engine_index, "finish_stopped", processed.stopped)  # the engine logs a failure
-        if processed.failed:  # the core still runs these: free their blocks
-            self.client.abort_requests(list(processed.failed))
-        failures = IterationStats(engine_index=engine_index)
-        for request_id, error in (failed | processed.failed).items():
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                self._drop(request_id)
-                stream.queue.put_nowait(request_failure(request_id, error))
-                failures.finished_requests.append(stream.stats.finished("error", time.monotonic()))
-        if failures.finished_requests:
-            self.stats.record(failures)
-        for core_output in outputs:
-            stream = self._streams.get(core_output.group_id)
-            if stream is not None and stream.stats.first_scheduled_time is None:
-                stream.stats.first_scheduled_time = core_output.first_scheduled_time
-        now = time.monotonic()
-        iteration = IterationStats(engine_index=engine_index)
-        for output in processed.request_outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-            stream.stats.update(output, now, iteration)
-            stream.queue.put_nowait(output)
-        for request_id, result in beam_searches.items():
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                beams = self.frontend.finish_beam_search(request_id, result)
-                record_beam_search(stream.stats, beams, now, iteration)
-                stream.queue.put_nowait(beams)
-        self.stats.record(iteration)
-
-    def _fail(self, request_ids: Iterable[str] | None, error: BaseException) -> None:
-        """On the event loop: end these requests' streams (all of this loop's when None) with `error`."""
-        for request_id in list(self._streams) if request_ids is None else request_ids:
-            stream = self._streams.get(request_id)
-            if stream is not None and stream.loop is asyncio.get_running_loop():
-                self._drop(request_id)
-                stream.queue.put_nowait(error)
-
     # ---- the client's threads ---------------------------------------------------------------------------------
-    def _on_update(self, engine_index: int, update: CoreUpdate) -> None:
-        """Hand one engine pass's outputs and refusals to the event loops of their consumers (one wake-up of each
-        loop per pass)."""
-        self.stats.observe(engine_index, update.stats)  # before the outputs: a finished request is not counted
-        batches: dict[asyncio.AbstractEventLoop,
-                      tuple[list[EngineCoreOutput], dict[str, str], dict[str, BeamSearchOutput]]] = {}
-        for output in update.outputs.outputs:
-            stream = self._streams.get(output.group_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, ([], {}, {}))[0].append(output)
-        for request_id, error in update.outputs.failed.items():
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, ([], {}, {}))[1][request_id] = error
-        for request_id, result in update.outputs.finished_beam_searches.items():
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                batches.setdefault(stream.loop, ([], {}, {}))[2][request_id] = result
-        for loop, (items, failed, beam_searches) in batches.items():
-            self._call_soon(loop, self._process_core_outputs, engine_index, items, failed, beam_searches)
-        for request_id, error in update.refused.items():
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                self._call_soon(stream.loop, self._fail, [request_id], error)
-
     def _on_dead(self, reason: str) -> None:
         """An engine can no longer run (or the server is shutting down): fail every request in flight with
         EngineDeadError(reason). Only the first call counts."""
         if self._stopped_reason is not None:
             return
         self._stopped_reason = reason  # first: generate() checks it after queueing, so nothing queued is missed
-        for loop in {stream.loop for stream in list(self._streams.values())}:
-            self._call_soon(loop, self._fail, None, EngineDeadError(reason))
+        self._streams.fail_all(reason)
         for future in list(self._utility_calls):
             resolve_future(future, False, EngineDeadError(reason))
-
-    def _call_soon(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
-        try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the consumers' event loop is closed: nobody will read these requests any more
-            orphans = [r for r, stream in list(self._streams.items()) if stream.loop is loop]
-            for request_id in orphans:
-                self._streams.pop(request_id, None)
-            self.client.abort_requests(orphans)
 
 
 def _check_max_waiting_requests(max_waiting_requests: int | None) -> None:
