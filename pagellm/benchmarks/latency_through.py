@@ -26,7 +26,8 @@ from contextlib import contextmanager
 import httpx
 
 THROUGH = ("step", "generate", "server")
-# First-token shifts past those of the engine-step runs (latency.bench_pagellm counts from 1) in the same engine.
+# First-token shifts past those of the engine-step runs (latency_backends.bench_pagellm counts from 1) in the same
+# engine.
 GENERATE_SHIFTS = 1000
 
 

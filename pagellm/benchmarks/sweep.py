@@ -13,7 +13,7 @@ import csv
 import random
 from pathlib import Path
 
-from pagellm.benchmarks.latency import LatencyResult, bench_hf, bench_llama_cpp, bench_pagellm
+from pagellm.benchmarks.latency_backends import LatencyResult, bench_hf, bench_llama_cpp, bench_pagellm
 
 FIELDS = ["backend", "concurrency", "total_tok_s", "output_tok_s", "tpot_ms", "prefill_tok_s", "decode_tok_s"]
 

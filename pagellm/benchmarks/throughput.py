@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> None:
     if args.backend in ("llama.cpp", "all"):
         gguf_file, name = model_config.gguf_file, "llama.cpp"
         if args.llama_cpp_f32:
-            from pagellm.benchmarks.latency import f32_gguf
+            from pagellm.benchmarks.latency_backends import f32_gguf
 
             gguf_file, name = str(f32_gguf(Path(gguf_file))), "llama.cpp F32"
         results.append(run_llama_cpp(gguf_file, requests, name))

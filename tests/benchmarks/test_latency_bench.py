@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from pagellm.benchmarks.latency import LatencyResult, write_f32_gguf
+from pagellm.benchmarks.latency_backends import LatencyResult, write_f32_gguf
 from pagellm.benchmarks.sweep import row
 
 
@@ -66,7 +66,7 @@ def test_sweep_row_maths():
 
 
 def test_decode_roofline_counts_weights_and_every_sequence_s_kv_reads():
-    from pagellm.benchmarks.latency import decode_step_bytes
+    from pagellm.benchmarks.latency_backends import decode_step_bytes
     from pagellm.benchmarks.machine import kv_bytes_per_token
 
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 -> K and V in float32 are 2 * 30 * 3 * 64 * 4 bytes per token.
@@ -213,7 +213,7 @@ def llama_model_free(model):
 def test_llama_cpp_peer_plumbing(tmp_path, monkeypatch):
     """The parent/child protocol of the llama.cpp backends (the real binding builds llama.cpp for ~15 minutes, so a
     stand-in with known costs replaces it here; the figures in the README come from the real one)."""
-    from pagellm.benchmarks.latency import bench_llama_cpp
+    from pagellm.benchmarks.latency_backends import bench_llama_cpp
     from pagellm.benchmarks.throughput import BenchRequest, run_llama_cpp
 
     package = tmp_path / "fake" / "llama_cpp"
