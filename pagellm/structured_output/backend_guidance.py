@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import llguidance
 import llguidance.hf
@@ -107,25 +108,27 @@ class _Compilation:
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
-    __slots__ = ("matcher", "kind", "compilation", "mask", "dead_end")
+    __slots__ = ("matcher", "kind", "compilation", "masks")
 
     def __init__(self, matcher: llguidance.LLMatcher, kind: str, compilation: _Compilation) -> None:
         self.matcher = matcher
         self.kind = kind
         self.compilation = compilation
-        self.mask: np.ndarray | None = None  # the last row filled: what the next sampled token was drawn under
-        self.dead_end = False  # the last row filled allows no token
+        # The rows last filled, one per position, that the next tokens accepted were sampled under (a verify step's
+        # rows after its rejected positions stay unused: the next fill replaces them).
+        self.masks: list[np.ndarray] = []
 
     def accept_tokens(self, tokens: list[int]) -> None:
-        mask, self.mask = self.mask, None
-        if self.dead_end:
-            raise InvalidRequestError(f"structured_outputs.{self.kind} cannot be continued: no token of this model "
-                                      f"spells what the grammar requires next.")
-        if mask is not None and not _token_allowed(mask, tokens[0]):
-            raise RuntimeError(f"Sampled token {tokens[0]} is outside the grammar bitmask it was sampled under.")
+        masks, self.masks = self.masks[:len(tokens)], self.masks[len(tokens):]
+        for token, mask in zip(tokens, masks):
+            if not mask.any():
+                raise InvalidRequestError(f"structured_outputs.{self.kind} cannot be continued: no token of this "
+                                          f"model spells what the grammar requires next.")
+            if not _token_allowed(mask, token):
+                raise RuntimeError(f"Sampled token {token} is outside the grammar bitmask it was sampled under.")
         if not self.matcher.consume_tokens(tokens):
             error = _error(self.matcher)
-            if mask is None or "doesn't satisfy the grammar" in error:
+            if not masks or "doesn't satisfy the grammar" in error:
                 raise RuntimeError(f"Tokens {tokens} are not allowed by the grammar: {error}")
             # The mask allowed the token (checked above), so the matcher met one of its limits advancing over it.
             self.compilation.limit_reached = True
@@ -134,15 +137,39 @@ class GuidanceGrammar(StructuredOutputGrammar):
                 f"({_error(self.matcher)}); {LIMITS_HINT}.")
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        words = bitmask[row]
+        self._compute_mask(bitmask[row])
+        self.masks = [bitmask[row]]
+
+    def validate_tokens(self, tokens: Sequence[int]) -> int:
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def fill_draft_bitmask(self, bitmask: np.ndarray, row: int, draft: Sequence[int]) -> None:
+        # Advance over the draft computing each position's row, then roll back. A stopped matcher is not advanced:
+        # llguidance accepts EOS there without counting it, so a rollback would go one token too far.
+        consumed = 0
+        try:
+            for index in range(len(draft) + 1):
+                if index and not self.matcher.is_stopped():
+                    if not self.matcher.consume_token(draft[index - 1]):
+                        raise RuntimeError(f"Draft token {draft[index - 1]} was verified against a grammar that "
+                                           f"does not allow it: {_error(self.matcher)}")
+                    consumed += 1
+                if consumed == index:
+                    self._compute_mask(bitmask[row + index])
+                else:
+                    bitmask[row + index] = bitmask[row + index - 1]
+        finally:
+            if consumed and not self.matcher.is_error() and not self.matcher.rollback(consumed):
+                raise RuntimeError(f"The grammar could not roll back over a draft: {_error(self.matcher)}")
+        self.masks = list(bitmask[row:row + len(draft) + 1])
+
+    def _compute_mask(self, words: np.ndarray) -> None:
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self.matcher.compute_ff_bytes():  # forced bytes: the mask may allow tokens that do not spell them
             bits = words.view(np.uint32)
             for token in list(_set_tokens(words)):
                 if self.matcher.validate_tokens([token]) == 0:
                     bits[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
-        self.mask = words
-        self.dead_end = not words.any()
 
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
@@ -153,7 +180,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
 
     def fork(self) -> GuidanceGrammar:
         fork = GuidanceGrammar(self.matcher.deep_copy(), self.kind, self.compilation)
-        fork.mask, fork.dead_end = self.mask, self.dead_end  # a request's sequences sample their first tokens together
+        fork.masks = list(self.masks)  # a request's sequences sample their first tokens together
         return fork
 
 

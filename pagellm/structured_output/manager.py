@@ -5,10 +5,11 @@ WAITING_FOR_FSM until its grammar is ready while the rest of the batch runs. Com
 text (LRU); each sequence takes its own copy of the cached, never-advanced grammar. The backend itself (llguidance's
 view of the tokenizer, ~0.3 s) is built on first use, so engines that never see a constraint never pay for it.
 
-Each step, `submit_bitmask` starts filling one packed row per constrained sequence that samples, on a thread of
-its own (llguidance releases the GIL while it computes a mask), so the rows are computed while the workers run the
-forward pass; the rank that samples waits for them only then (see engine/core.py and executor/). A row takes
-30-70 us on this CPU (2.2 ms for 32 sequences of a JSON schema, see `pagellm bench structured`)."""
+Each step, `submit_bitmask` starts filling one packed row per constrained sequence that samples (one per verified
+position for a sequence verifying a draft, see spec_decode/), on a thread of its own (llguidance releases the GIL
+while it computes a mask), so the rows are computed while the workers run the forward pass; the rank that samples
+waits for them only then (see engine/core.py and executor/). A row takes 30-70 us on this CPU (2.2 ms for 32
+sequences of a JSON schema, see `pagellm bench structured`)."""
 from __future__ import annotations
 
 import threading
@@ -93,18 +94,29 @@ class StructuredOutputManager:
         nothing else to run does instead of spinning."""
         wait([r.compiled for r in requests if r.compiled is not None], timeout_s, return_when="FIRST_COMPLETED")
 
-    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> np.ndarray:
-        """One packed row of allowed tokens per grammar, in order; None (a request that finished while its next
-        step was already running, with async scheduling: that step's token is dropped) allows every token."""
-        bitmask = np.full((len(grammars), bitmask_words(self.vocab_size)), -1, dtype=np.int32)
-        for row, grammar in enumerate(grammars):
-            if grammar is not None:
+    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar | None],
+                        drafts: list[list[int]] | None = None) -> np.ndarray:
+        """The packed rows of allowed tokens for each grammar, in order: one, or with speculative decoding one per
+        verified position of its draft in `drafts` (1 + len(draft), see `fill_draft_bitmask`). None (a request
+        that finished while its next step was already running, with async scheduling: that step's token is
+        dropped) allows every token."""
+        drafts = drafts or [[]] * len(grammars)
+        bitmask = np.full((len(grammars) + sum(map(len, drafts)), bitmask_words(self.vocab_size)), -1,
+                          dtype=np.int32)
+        row = 0
+        for grammar, draft in zip(grammars, drafts, strict=True):
+            if grammar is not None and draft:
+                grammar.fill_draft_bitmask(bitmask, row, draft)
+            elif grammar is not None:
                 grammar.fill_bitmask(bitmask, row)
+            row += 1 + len(draft)
         return bitmask
 
-    def submit_bitmask(self, grammars: list[StructuredOutputGrammar | None]) -> Future[np.ndarray]:
-        """`grammar_bitmask(grammars)` on the bitmask thread. The grammars must not advance until it is done."""
-        return self._bitmask_executor.submit(self.grammar_bitmask, grammars)
+    def submit_bitmask(self, grammars: list[StructuredOutputGrammar | None],
+                       drafts: list[list[int]] | None = None) -> Future[np.ndarray]:
+        """`grammar_bitmask(grammars, drafts)` on the bitmask thread. The grammars must not advance until it is
+        done."""
+        return self._bitmask_executor.submit(self.grammar_bitmask, grammars, drafts)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -3,7 +3,8 @@
 With a reasoning parser (vLLM's way) the constraint holds the content after the reasoning: while `reasoning_end`
 is set, reasoning is open, the grammar neither advances nor masks (`active_grammar` is None), and the token that
 completes the end tag closes it; the grammar starts with the next token. A prompt that already closed reasoning
-(thinking turned off by the chat template) leaves `reasoning_end` None: the grammar applies from the first token."""
+(thinking turned off by the chat template) leaves `reasoning_end` None: the grammar applies from the first token.
+Speculative decoding verifies a draft only as far as the grammar allows it (`draft_length`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,10 +44,32 @@ class StructuredOutputRequest:
         end = self.reasoning_end
         if end is None:
             self.grammar.accept_tokens([token])
-        elif token == end[-1] and len(output_token_ids) >= len(end) - 1 \
-                and tuple(output_token_ids[len(output_token_ids) - len(end) + 1:]) == end[:-1]:
+        elif _completes(end, output_token_ids, token):
             self.reasoning_end = None  # the end tag is complete: the grammar starts with the next token
+
+    def draft_length(self, output_token_ids: Sequence[int], draft: Sequence[int]) -> int:
+        """Speculative decoding: how many of the draft's first tokens a verify step may take. Under the grammar,
+        those it allows one after another (one it forbids could never be accepted). Inside reasoning, those before
+        the token that would close it: the grammar would constrain the positions after it, and a step's bitmask
+        rows hold one state (constrained or not) for all its positions. A negative id is a placeholder that the
+        worker fills (spec_decode/draft_model.py): not known here, so neither are the tokens after it."""
+        draft = draft[:next((i for i, token in enumerate(draft) if token < 0), len(draft))]
+        end = self.reasoning_end
+        if end is None:
+            return self.grammar.validate_tokens(draft)
+        before = list(output_token_ids[max(0, len(output_token_ids) - len(end) + 1):])
+        for index, token in enumerate(draft):
+            if _completes(end, before, token):
+                return index
+            before.append(token)
+        return len(draft)
 
     def fork(self) -> StructuredOutputRequest:
         """For a sequence forked from this one (n > 1): the same position, advanced independently from now on."""
         return StructuredOutputRequest(self.params, grammar=self.grammar.fork(), reasoning_end=self.reasoning_end)
+
+
+def _completes(end: tuple[int, ...], before: Sequence[int], token: int) -> bool:
+    """Whether `token`, after the tokens `before`, completes the reasoning end tag `end`."""
+    return (token == end[-1] and len(before) >= len(end) - 1
+            and tuple(before[len(before) - len(end) + 1:]) == end[:-1])

@@ -56,8 +56,8 @@ class BatchedRequest:
     num_samples: int = 1
     # Async scheduling: token_ids[-1] is a placeholder for the token the previous batch sampled (see ModelRunner).
     pending_token: bool = False
-    # Structured outputs: this step's packed row of the tokens the sequence may sample (see GrammarOutput in
-    # core/sched/output.py), attached once the bitmask has come.
+    # Structured outputs: this step's packed rows of the tokens the sequence may sample, one per sampled position
+    # (1 + num_spec_tokens; see GrammarOutput in core/sched/output.py), attached once the bitmask has come.
     grammar_bitmask: np.ndarray | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: this chunk is pooled (see layers/pooler.py)
     lora_request: LoRARequest | None = None  # the adapter its rows run with (see lora/context.py)
@@ -116,8 +116,17 @@ class InputBatch:
 
 
 def attach_grammar_bitmask(requests: list[BatchedRequest], request_ids: list[str], bitmask: np.ndarray) -> None:
-    """Give each constrained request its bitmask row (`bitmask[i]` belongs to `request_ids[i]`); an n > 1 request,
-    listed once per sample, samples each of them under the same row."""
-    rows = dict(zip(request_ids, bitmask))
+    """Give each constrained request its bitmask rows: `request_ids` in order, each taking 1 + its draft tokens
+    rows of `bitmask` (row i: the tokens allowed at its i-th sampled position, see StructuredOutputManager); an
+    n > 1 request, listed once, samples each of its samples under its one row."""
+    num_rows = {r.request_id: 1 + r.num_spec_tokens for r in requests}
+    rows: dict[str, np.ndarray] = {}
+    start = 0
+    for request_id in request_ids:
+        end = start + num_rows.get(request_id, 1)
+        rows[request_id], start = bitmask[start:end], end
+    if start != len(bitmask):
+        raise RuntimeError(f"The grammar bitmask has {len(bitmask)} rows for the step's {start} constrained "
+                           f"positions.")
     for request in requests:
         request.grammar_bitmask = rows.get(request.request_id)

@@ -39,10 +39,12 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     row_generators = {}
     rows_before: dict[str, int] = {}  # the request's rows already seen in this batch
+    offsets = []  # each row's place among its request's rows
     for row, (request, p) in enumerate(zip(requests, params)):
+        offset = rows_before.get(request.request_id, 0)
+        rows_before[request.request_id] = offset + 1
+        offsets.append(offset)
         if p.seed is not None and not p.is_greedy:
-            offset = rows_before.get(request.request_id, 0)
-            rows_before[request.request_id] = offset + 1
             index = len(request.output_token_ids) + request.pending_token + offset
             row_generators[row] = torch.Generator(device).manual_seed(row_seed(p.seed, index))
     tensors = SamplingTensors(
@@ -57,7 +59,10 @@ def build_sampling_tensors(requests: list[BatchedRequest], vocab: int, device: t
     )
     constrained = [row for row, r in enumerate(requests) if r.grammar_bitmask is not None]
     if constrained:
-        disallowed = unpack_disallowed([requests[row].grammar_bitmask for row in constrained], vocab)
+        # A verify step's rows follow its positions; n > 1 samples share their one position's row.
+        masks = [requests[row].grammar_bitmask[offsets[row] % (requests[row].num_spec_tokens + 1)]
+                 for row in constrained]
+        disallowed = unpack_disallowed(masks, vocab)
         rows = None if len(constrained) == len(requests) else tensor_on(constrained, torch.int64, device)
         tensors.disallowed_tokens = (rows, to_device(disallowed, device))
     if any(p.min_p > 0.0 and not p.is_greedy for p in params):

@@ -215,8 +215,8 @@ def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, toke
     attach_grammar_bitmask(batch, out.structured_output_request_ids, grammar.grammar_bitmask)
     batch = {r.request_id: r for r in batch}
     assert batch["f"].grammar_bitmask is None
-    assert allowed_ids(batch["c"].grammar_bitmask) == allowed_ids(grammar.grammar_bitmask[0])
-    assert tokenizer.encode("no")[0] in allowed_ids(batch["c"].grammar_bitmask)
+    assert allowed_ids(batch["c"].grammar_bitmask[0]) == allowed_ids(grammar.grammar_bitmask[0])
+    assert tokenizer.encode("no")[0] in allowed_ids(batch["c"].grammar_bitmask[0])
 
     # n = 2: the two sequences take different choices, each with its own grammar; "no" completes at once.
     yes, no = tokenizer.encode("yes"), tokenizer.encode("no")

@@ -166,7 +166,11 @@ class BatchPlanner:
             return []
         room = min(token_budget, request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
-        return self.drafter.propose(request, room)
+        draft = self.drafter.propose(request, room)
+        structured = request.structured_output_request
+        if draft and structured is not None:  # a grammar: only the prefix it allows can be accepted
+            draft = draft[:structured.draft_length(request.output_token_ids, draft)]
+        return draft
 
     def _allocate_or_preempt(self, request: Request, num_slots: int, index: int, output: SchedulerOutput) -> bool:
         """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from

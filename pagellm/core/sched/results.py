@@ -117,9 +117,9 @@ class ResultApplier:
                       entries: list | None) -> list[Request]:
         """Speculative decoding: `tokens` holds the token sampled at each of the 1 + k positions. Draft tokens are
         kept while they equal the samples, and the sample after them comes with them (rejection sampling, see
-        spec_decode/verify.py). Emission stops at a stop condition. The K/V of rejected positions is dropped by
-        moving `num_computed_tokens` back (their slots are overwritten later; the blocks stay with the request,
-        which writes them next)."""
+        spec_decode/verify.py); a grammar advances over each token emitted. Emission stops at a stop condition
+        (a completed grammar among them). The K/V of rejected positions is dropped by moving `num_computed_tokens`
+        back (their slots are overwritten later; the blocks stay with the request, which writes them next)."""
         draft = scheduled.spec_token_ids
         num_kept = num_accepted(draft, tokens)
         self.spec_stats.observe(len(draft), num_kept)
@@ -128,7 +128,10 @@ class ResultApplier:
         # Computed: the step's first input (the last known token) and the accepted draft tokens.
         num_computed = scheduled.num_computed_tokens + scheduled.num_tokens - len(draft) + num_kept
         request.num_step_tokens = 0
+        structured = request.structured_output_request
         for index, token in enumerate(tokens[:num_kept + 1]):
+            if structured is not None:  # each token was sampled under its position's bitmask row
+                structured.accept_token(request.output_token_ids, token)
             request.num_step_tokens += 1
             if entries is not None:
                 request.logprobs.append(entries[index])

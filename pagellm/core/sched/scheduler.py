@@ -237,12 +237,15 @@ class Scheduler:
         grammars only advance once the step's results are applied, so nothing changes them meanwhile. With async
         scheduling a step whose constrained sequences continue blind asks only once the step before is applied;
         a sequence that step finished gets no grammar (its row allows everything; its token is dropped), as does
-        one still inside its reasoning (see structured_output/request.py)."""
+        one still inside its reasoning (see structured_output/request.py). A sequence verifying a draft gets a row
+        per verified position (the grammar's state after the drafts before it)."""
         if not output.structured_output_request_ids:
             return None
+        drafts = {s.request_id: s.spec_token_ids for s in output.scheduled if s.spec_token_ids}
         return self.structured_output_manager.submit_bitmask(
             [self.requests[request_id].structured_output_request.active_grammar if request_id in self.requests
-             else None for request_id in output.structured_output_request_ids])
+             else None for request_id in output.structured_output_request_ids],
+            [drafts.get(request_id, []) for request_id in output.structured_output_request_ids])
 
     def needs_late_bitmask(self, output: SchedulerOutput) -> bool:
         """Async scheduling: whether a constrained sequence of `output` continues blind, so that its bitmask needs
