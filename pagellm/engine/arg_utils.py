@@ -1,4 +1,6 @@
-"""EngineArgs: the user-facing knobs (shared by `LLM(...)` and the CLI), turned into a validated EngineConfig."""
+"""EngineArgs: the user-facing knobs, as `LLM(...)` keywords and the CLI flags that set them (vLLM's names), with
+their defaults read from the config classes. create_engine_config() turns them into a validated EngineConfig
+(config_builder.py)."""
 from __future__ import annotations
 
 import argparse
@@ -6,9 +8,6 @@ import json
 import os
 import re
 from dataclasses import dataclass, fields
-from pathlib import Path
-
-import torch
 
 from pagellm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -18,7 +17,6 @@ from pagellm.config import (
     RUNNERS,
     SCHEDULING_POLICIES,
     CacheConfig,
-    DeviceConfig,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -27,24 +25,10 @@ from pagellm.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
-    resolve_device,
-    resolve_dtype,
 )
-from pagellm.engine.draft_model_config import resolve_draft_model
-from pagellm.logger import init_logger
+from pagellm.engine.config_builder import build_engine_config
 from pagellm.model_executor.layers.quantization import QUANTIZATION_METHODS
-from pagellm.model_executor.layers.rotary_embedding import longrope_limit
-from pagellm.model_executor.model_loader.gguf_loader import gguf_source
-from pagellm.model_executor.model_loader.resolve import DEFAULT_MODEL_NAME, resolve_model_dir
-from pagellm.model_executor.models.registry import is_encoder_only, resolve_architecture
 from pagellm.reasoning import REASONING_PARSERS
-from pagellm.transformers_utils.sentence_transformers import (
-    SentenceTransformersConfig,
-    read_sentence_transformers_config,
-)
-from pagellm.worker.cpu_affinity import available_cores, slot_groups
-
-logger = init_logger(__name__)
 
 
 @dataclass
@@ -100,180 +84,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict | None = None
 
     def create_engine_config(self) -> EngineConfig:
-        from transformers import AutoConfig
-
-        device = resolve_device(self.device)
-        model_dir = resolve_model_dir(self.model)
-        dtype = resolve_dtype(self.dtype, device)
-        gguf_file = gguf_source(model_dir)
-        hf_config = AutoConfig.from_pretrained(str(model_dir))
-        architecture = resolve_architecture(hf_config)
-        sentence_config = read_sentence_transformers_config(model_dir)
-        max_model_len = self._max_model_len(hf_config, sentence_config)
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}; fix --max-logprobs.")
-        pipeline_overlap = device.type == "cuda" if self.pipeline_overlap is None else self.pipeline_overlap
-        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                         pipeline_parallel_size=self.pipeline_parallel_size,
-                                         distributed_executor_backend=self.distributed_executor_backend,
-                                         data_parallel_size=self.data_parallel_size, pipeline_overlap=pipeline_overlap,
-                                         cpu_affinity=self.cpu_affinity)
-        if self.cpu_affinity and device.type == "cpu":  # refused here, before any rank starts
-            slot_groups(self.cpu_affinity, parallel_config.concurrent_ranks, available_cores())
-        check_parallel_sizes(hf_config, parallel_config)
-        chunked_prefill, prefix_caching = self._encoder_settings(architecture, parallel_config)
-        if self.async_scheduling and parallel_config.distributed_executor_backend != "uni":
-            raise ValueError("--async-scheduling works with one rank in this process (the uni executor); drop it "
-                             "or run without tensor/pipeline parallelism.")
-        quantization = self._quantization(device, dtype, gguf_file)
-        if self.quantize_activations and quantization == "none":
-            raise ValueError("--quantize-activations works on packed weights (--quantization gguf or int8, on the CPU "
-                             "in float32); drop it or choose a packed --quantization.")
-        model_config = ModelConfig(
-            model=str(model_dir),
-            tokenizer=str(self.tokenizer or model_dir),
-            hf_config=hf_config,
-            architecture=architecture,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=self.seed,
-            served_model_name=self.served_model_name or (str(self.model) if self.model else DEFAULT_MODEL_NAME),
-            max_logprobs=self.max_logprobs,
-            quantization=quantization,
-            quantize_activations=self.quantize_activations,
-            gguf_file=str(gguf_file) if gguf_file else None,
-            enforce_eager=self.enforce_eager,
-            runner=self._runner(architecture),
-            pooler_config=self._pooler_config(architecture, sentence_config),
-        )
-        return EngineConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(block_size=self.block_size, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                                     gpu_memory_utilization=self.gpu_memory_utilization,
-                                     enable_prefix_caching=prefix_caching,
-                                     swap_space_bytes=int(self.swap_space * (1 << 30)),
-                                     cache_dtype=self.kv_cache_dtype),
-            scheduler_config=SchedulerConfig(max_num_seqs=self._max_num_seqs(),
-                                             max_num_batched_tokens=self.max_num_batched_tokens,
-                                             enable_chunked_prefill=chunked_prefill,
-                                             scheduling_policy=self.scheduling_policy,
-                                             preemption_mode=self.preemption_mode,
-                                             short_first_max_wait=self.short_first_max_wait,
-                                             target_tpot_ms=self.target_tpot_ms,
-                                             async_scheduling=self.async_scheduling,
-                                             speculative_config=resolve_draft_model(
-                                                 self._speculative_config(), model_config, parallel_config,
-                                                 device.type == "cpu")),
-            device_config=DeviceConfig(device=device),
-            parallel_config=parallel_config,
-            structured_outputs_config=StructuredOutputsConfig(
-                disable_additional_properties=self.structured_outputs_disable_additional_properties,
-                reasoning_parser=self.reasoning_parser),
-            lora_config=self._lora_config(parallel_config),
-        )
-
-    def _lora_config(self, parallel: ParallelConfig) -> LoRAConfig:
-        config = LoRAConfig(enable_lora=self.enable_lora, lora_modules=tuple(self.lora_modules or ()),
-                            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
-        if config.enable_lora and parallel.world_size > 1:  # adapters are applied whole, on one rank
-            raise ValueError("--enable-lora runs on one rank: drop --tensor-parallel-size / "
-                             "--pipeline-parallel-size, or run without LoRA adapters.")
-        return config
-
-    def _quantization(self, device: torch.device, dtype: torch.dtype, gguf_file: Path | None) -> str:
-        kernels_apply = device.type == "cpu" and dtype == torch.float32
-        if self.quantization is None:
-            return "gguf" if gguf_file is not None and kernels_apply else "none"
-        if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got "
-                             f"{self.quantization!r}; fix --quantization.")
-        if self.quantization != "none" and not kernels_apply:
-            raise ValueError(f"--quantization {self.quantization} runs on the CPU in float32 only (device "
-                             f"{device.type}, dtype {str(dtype).removeprefix('torch.')}); use --quantization none.")
-        if self.quantization == "gguf" and gguf_file is None:
-            raise ValueError("--quantization gguf needs a .gguf model file; for a float checkpoint use "
-                             "--quantization int8 or none.")
-        return self.quantization
-
-    def _runner(self, architecture: str) -> str:
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}; fix --runner.")
-        if is_encoder_only(architecture):
-            if self.runner == "generate":
-                raise ValueError(f"{architecture} is an encoder-only model: it computes embeddings, not text. Use "
-                                 f"--runner pooling (or auto).")
-            return "pooling"
-        return "generate" if self.runner == "auto" else self.runner
-
-    def _encoder_settings(self, architecture: str, parallel: ParallelConfig) -> tuple[bool, bool]:
-        """Chunked prefill and prefix caching for this model. An encoder-only model attends over each whole prompt
-        and caches no K/V (layers/attention/encoder.py), so both are off for it, as vLLM turns them off, and it runs
-        on one rank without LoRA adapters."""
-        if not is_encoder_only(architecture):
-            return self.enable_chunked_prefill, self.enable_prefix_caching
-        if parallel.world_size > 1 or self.enable_lora:
-            raise ValueError(f"{architecture} is an encoder-only model, which runs on one rank without LoRA "
-                             f"adapters: drop --tensor-parallel-size, --pipeline-parallel-size and --enable-lora.")
-        if self.enable_chunked_prefill or self.enable_prefix_caching:
-            logger.info("%s is an encoder-only model: each prompt runs whole in one step and caches no K/V, so "
-                        "chunked prefill and prefix caching are off.", architecture)
-        return False, False
-
-    @staticmethod
-    def _model_pooling(architecture: str, sentence_config: SentenceTransformersConfig | None,
-                       with_type: bool) -> dict:
-        """The model's own PoolerConfig fields (the pooling type only `with_type`): its sentence-transformers
-        modules' pooling and normalisation, as vLLM reads them, else CLS for an encoder (vLLM's BERT default) and
-        PoolerConfig's defaults for a causal LM."""
-        fields: dict = {"pooling_type": "CLS"} if is_encoder_only(architecture) else {}
-        if sentence_config is not None:
-            fields["normalize"] = sentence_config.normalize
-            if with_type and sentence_config.pooling_type is not None:
-                fields["pooling_type"] = sentence_config.pooling_type
-        return fields
-
-    def _speculative_config(self) -> SpeculativeConfig | None:
-        config = self.speculative_config
-        return SpeculativeConfig.from_dict(config) if isinstance(config, dict) else config
-
-    def _pooler_config(self, architecture: str, sentence_config: SentenceTransformersConfig | None) -> PoolerConfig:
-        """--pooler-config's fields, and --pooling's pooling_type, over the model's own (_model_pooling)."""
-        config = self.pooler_config
-        if isinstance(config, PoolerConfig):
-            given = {"pooling_type": config.pooling_type, "normalize": config.normalize}
-        else:
-            given = dict(config or {})
-            unknown = set(given) - {"pooling_type", "normalize"}
-            if unknown:
-                raise ValueError(f"--pooler-config takes pooling_type and normalize, got {', '.join(sorted(unknown))}.")
-        if self.pooling is not None:
-            if "pooling_type" in given and str(given["pooling_type"]).upper() != self.pooling.upper():
-                raise ValueError(f"--pooling {self.pooling} contradicts --pooler-config's pooling_type "
-                                 f"{given['pooling_type']}; give one of them.")
-            given["pooling_type"] = self.pooling
-        model = self._model_pooling(architecture, sentence_config, with_type="pooling_type" not in given)
-        return PoolerConfig(**{**model, **given})
-
-    def _max_model_len(self, hf_config, sentence_config: SentenceTransformersConfig | None = None) -> int:
-        # A sliding window (Mistral) does not bound the context: the attention applies it.
-        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        # A sentence-transformers model embeds up to its max_seq_length tokens (vLLM caps the length there too).
-        if sentence_config is not None and sentence_config.max_seq_length:
-            limit = min(limit, sentence_config.max_seq_length)
-        exact = longrope_limit(hf_config)
-        if exact is not None and (self.max_model_len or 0) > exact:
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds this LongRoPE model's "
-                             f"original_max_position_embeddings ({exact}): past it transformers switches to the long "
-                             f"RoPE factors, which pagellm does not implement; pass --max-model-len {exact} or less.")
-        if exact is not None:
-            limit = min(limit, exact)
-        if self.max_model_len is None:
-            return limit
-        if not 0 < self.max_model_len <= limit:
-            raise ValueError(f"max_model_len ({self.max_model_len}) must be between 1 and the model's limit of "
-                             f"{limit} tokens (max_position_embeddings, or sentence_bert_config.json's "
-                             f"max_seq_length); lower --max-model-len.")
-        return self.max_model_len
+        """These settings as a validated EngineConfig, resolved against the model and the device
+        (config_builder.py)."""
+        return build_engine_config(self)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -393,37 +206,9 @@ class EngineArgs:
                             help="the highest LoRA rank an adapter may have")
         return parser
 
-    def _max_num_seqs(self) -> int:
-        if self.max_num_seqs == "auto":
-            if self.target_tpot_ms is None:
-                raise ValueError("--max-num-seqs auto lets a latency target size the batch: give --target-tpot-ms "
-                                 "too (e.g. --target-tpot-ms 50), or a number of sequences.")
-            return SchedulerConfig.max_num_seqs
-        return int(self.max_num_seqs)
-
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-
-def check_parallel_sizes(hf_config, parallel: ParallelConfig) -> None:
-    """Tensor parallelism splits query heads (and KV heads, or replicates them when there are fewer KV heads than
-    ranks); pipeline parallelism splits layers. Sizes that do not divide are refused, naming the ones that work."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    tp = parallel.tensor_parallel_size
-
-    def divides(size: int) -> bool:
-        return heads % size == 0 and (kv_heads % size == 0 if size <= kv_heads else size % kv_heads == 0)
-
-    if not divides(tp):
-        working = [size for size in range(1, heads + 1) if divides(size)]
-        raise ValueError(f"--tensor-parallel-size {tp} does not divide this model's {heads} attention heads and "
-                         f"{kv_heads} KV heads; sizes that work: {', '.join(map(str, working))}.")
-    layers = hf_config.num_hidden_layers
-    if parallel.pipeline_parallel_size > layers:
-        raise ValueError(f"--pipeline-parallel-size {parallel.pipeline_parallel_size} is more than this model's "
-                         f"{layers} layers.")
 
 
 def _json_object(text: str) -> dict:
