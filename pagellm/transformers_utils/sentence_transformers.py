@@ -2,7 +2,7 @@
 pooling mode of its Pooling module (`modules.json`, then that module's `config.json`), whether a Normalize module
 follows it, and the longest input it embeds (`sentence_bert_config.json`'s `max_seq_length`).
 
-The engine takes these as the model's defaults (engine/arg_utils.py): `--pooling` / `--pooler-config` and
+The engine takes these as the model's defaults (engine/config_builder.py): `--pooling` / `--pooler-config` and
 `--max-model-len` override them.
 """
 from __future__ import annotations

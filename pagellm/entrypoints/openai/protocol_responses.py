@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI-compatible API's responses: completions and chat (whole and streamed), their usage
 and logprobs (OpenAI's shapes, and vLLM's prompt_logprobs), models, tokenization, health and errors. The requests
-are in protocol.py."""
+are in protocol_completion.py, protocol_chat.py and protocol_tokenize.py."""
 from __future__ import annotations
 
 import time

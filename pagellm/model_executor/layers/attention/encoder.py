@@ -2,7 +2,7 @@
 no K/V is written to or read from a cache.
 
 The engine runs an encoder's prompt whole in one step (it turns chunked prefill and prefix caching off for encoders,
-and the worker allocates no KV cache for them: see engine/arg_utils.py and worker/worker.py), so every sequence of
+and the worker allocates no KV cache for them: see engine/config_builder.py and worker/worker.py), so every sequence of
 the flat batch is one prefill chunk of the step's metadata, with no cached context. A one-token prompt is laid out
 as a decode row (the model runner puts single-token queries first): its attention is its own value. One SDPA call
 per sequence, so there is no padding and a sequence's result does not depend on its batch; whichever backend built
