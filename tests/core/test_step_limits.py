@@ -1,5 +1,5 @@
-"""Per-step limits: the online step-time model (--target-tpot-ms), the batch cap it gives and its order, and the
-bounded share of background (lowest-priority) requests. Step times are fed from a known law, not measured."""
+"""Per-step limits: the online step-time model (--target-tpot-ms), the batch cap it gives and its order (background
+work's share: test_background.py). Step times are fed from a known law, not measured."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,13 +7,7 @@ import pytest
 from scheduler_factories import TOKEN, make_request, make_scheduler
 
 from pagellm.core.sched.scheduler import Scheduler
-from pagellm.core.sched.step_limits import (
-    BACKGROUND_PROMPT_TOKENS,
-    BACKGROUND_ROWS,
-    HEADROOM,
-    PREFILL_MIN_TOKENS,
-    WARMUP_ROWS,
-)
+from pagellm.core.sched.step_limits import HEADROOM, PREFILL_MIN_TOKENS, WARMUP_ROWS
 from pagellm.core.sched.step_time import COLD_STEPS, MIN_STEPS, StepShape, StepTimeModel
 
 # The synthetic law: seconds = A + B * rows + C * context + D * extra tokens.
@@ -120,38 +114,3 @@ def test_an_unreachable_target_still_runs_one_sequence_a_step():
         assert steps < 200
     assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
 
-
-BACKGROUND = 1 << 30
-
-
-def test_background_requests_yield_to_a_waiting_request_then_take_a_bounded_share():
-    sched = make_scheduler(scheduling_policy="priority", max_model_len=256, num_blocks=256, max_num_seqs=16,
-                           max_num_batched_tokens=256)
-    for i in range(12):
-        sched.add_request(make_request(f"bg{i}", prompt=4, max_tokens=60, priority=BACKGROUND))
-    # Alone, background work takes BACKGROUND_ROWS rows and BACKGROUND_PROMPT_TOKENS prompt tokens a step.
-    rows = [len(run_step(sched).scheduled) for _ in range(4)]
-    assert rows == [min(BACKGROUND_ROWS, BACKGROUND_PROMPT_TOKENS // 4)] + [BACKGROUND_ROWS] * 3
-    sched.add_request(make_request("chat0", prompt=40, max_tokens=20))
-    out = run_step(sched)
-    # The waiting interactive request gets the step to itself: the running background rows sit it out, keeping
-    # their blocks.
-    assert [s.request_id for s in out.scheduled] == ["chat0"] and out.preempted_req_ids == []
-    sched.add_request(make_request("chat1", prompt=8, max_tokens=20))
-    run_step(sched)
-    for _ in range(10):
-        rows = [s.request_id for s in run_step(sched).scheduled]
-        foreground = [r for r in rows if r.startswith("chat")]
-        assert len(foreground) == 2 and len(rows) - len(foreground) == 1  # at most half of 2, at least 1
-    while sched.has_unfinished_requests():
-        run_step(sched)
-    assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
-
-
-def test_a_background_prompt_runs_in_short_chunks_even_alone():
-    sched = make_scheduler(scheduling_policy="priority", max_model_len=512, num_blocks=256, max_num_seqs=16,
-                           max_num_batched_tokens=512)
-    sched.add_request(make_request("bg", prompt=300, max_tokens=4, priority=BACKGROUND))
-    assert run_step(sched).scheduled[0].num_tokens == BACKGROUND_PROMPT_TOKENS
-    sched.add_request(make_request("chat", prompt=300, max_tokens=4))
-    assert [(s.request_id, s.num_tokens) for s in run_step(sched).scheduled] == [("chat", 300)]

@@ -9,12 +9,10 @@ prompt tokens the step may hold. Two rules set them, and without either the limi
   have started decoding always run (a step sat out would cost them more than a step over the target), so the cap
   decides who starts: the requests the policy ranks first. It starts at WARMUP_ROWS, until the model has seen
   enough steps, and grows as it learns. At least one sequence always runs.
-- Background work (priority policy): requests of priority `background_priority` or lower (batch jobs' lines) are
-  background. While another request waits, running background requests sit the step out (their rows and prompt
-  chunks yield the step to it); while others run, background rows, admissions included, are at most half as many
-  as theirs (at least one, so they never starve). Even alone they take at most BACKGROUND_ROWS rows and
-  BACKGROUND_PROMPT_TOKENS prompt tokens a step, so that a request arriving meanwhile waits for a short step (on
-  a CPU a step's time grows with its rows; decode throughput barely does past a few rows).
+- Background work (priority policy): requests of priority `background_priority` or lower (batch jobs' lines) take
+  what interactive requests leave, by the step time they add (background.py): nothing while one waits (their
+  running rows sit the step out), little beside running ones, short steps in a gap of interactive traffic, and the
+  static limits once it has been quiet a while.
 """
 from __future__ import annotations
 
@@ -24,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.request import Request
+from pagellm.core.sched.background import BackgroundShare
 from pagellm.core.sched.output import SchedulerOutput
 from pagellm.core.sched.policy import SchedulingPolicy
 from pagellm.core.sched.step_time import StepShape, StepTimeModel
@@ -32,8 +31,6 @@ PREFILL_SHARE = 0.25
 HEADROOM = 0.9  # of the target, what the predicted step time is capped at
 PREFILL_MIN_TOKENS = 2  # the prompt tokens kept for while work waits, at least
 WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
-BACKGROUND_ROWS = 8
-BACKGROUND_PROMPT_TOKENS = 16
 
 
 @dataclass
@@ -42,11 +39,9 @@ class StepLimits:
     deferred: set[str] = field(default_factory=set)  # running sequences that sit this step out
     prefill_tokens: int = sys.maxsize  # prompt tokens the step may still take (the token budget aside)
     background_priority: int | None = None  # requests of this priority or lower are background (priority policy)
-    background_tokens: int = BACKGROUND_PROMPT_TOKENS  # prompt tokens background requests may still take
-    foreground_rows: int = 0
+    background_row_cap: int = sys.maxsize  # rows background requests may take, admissions included
+    background_tokens: int = sys.maxsize  # prompt tokens background requests may still take
     background_rows: int = 0
-    others_live: bool = False  # whether requests other than background ones run or wait this step
-    others_wait: bool = False  # whether one waits: background requests then take nothing this step
 
     def is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority
@@ -70,17 +65,11 @@ class StepLimits:
     def may_admit(self, request: Request) -> bool:
         """Whether the waiting `request` may join the step; counts it when it is background."""
         if not self.is_background(request):
-            self.foreground_rows += 1
-            self.others_live = True
             return True
-        if self.others_wait or self.background_rows >= background_quota(self.foreground_rows, self.others_live):
+        if self.background_rows >= self.background_row_cap:
             return False
         self.background_rows += 1
         return True
-
-
-def background_quota(foreground_rows: int, others_live: bool) -> int:
-    return min(BACKGROUND_ROWS, max(1, foreground_rows // 2)) if others_live else BACKGROUND_ROWS
 
 
 class StepLimiter:
@@ -90,11 +79,14 @@ class StepLimiter:
         # The cap aims at HEADROOM of the target: steps scatter around the model's prediction, and it is the p99
         # of the time per output token that must hold the target, not its mean.
         self.target_s = HEADROOM * config.target_tpot_ms / 1e3 if config.target_tpot_ms is not None else None
-        self.model = StepTimeModel() if self.target_s is not None else None
+        background = policy.name == "priority"
+        self.model = StepTimeModel() if self.target_s is not None or background else None
+        self.background = (BackgroundShare(config.background_priority, self.model, config.max_num_seqs)
+                           if background and self.model is not None else None)
 
     @property
     def active(self) -> bool:
-        return self.model is not None or self.policy.name == "priority"
+        return self.model is not None
 
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         if self.model is not None:
@@ -107,28 +99,27 @@ class StepLimiter:
         limits = StepLimits(self.config.max_num_seqs)
         order = self.policy.running_order()
         candidates = sorted(ready, key=lambda row: order(row[0])) if order is not None else list(ready)
-        if self.policy.name == "priority":
+        if self.background is not None:
             candidates = self._background_share(limits, candidates, waiting)
-        if self.model is not None and not self.model.ready:
-            limits.max_seqs = min(limits.max_seqs, WARMUP_ROWS)
-            candidates = candidates[:WARMUP_ROWS]
-        elif self.model is not None and (candidates or waiting):
-            candidates = self._latency_cap(limits, candidates, waiting)
+        if self.target_s is not None and self.model is not None:
+            if not self.model.ready:
+                limits.max_seqs = min(limits.max_seqs, WARMUP_ROWS)
+                candidates = candidates[:WARMUP_ROWS]
+            elif candidates or waiting:
+                candidates = self._latency_cap(limits, candidates, waiting)
         selected = {request.request_id for request, _ in candidates}
         limits.deferred = {request.request_id for request, _ in ready if request.request_id not in selected}
         return limits
 
     def _background_share(self, limits: StepLimits, candidates: list[tuple[Request, int]],
                           waiting: list[Request]) -> list[tuple[Request, int]]:
+        assert self.background is not None
         limits.background_priority = self.config.background_priority
         background = [row for row in candidates if limits.is_background(row[0])]
         foreground = [row for row in candidates if not limits.is_background(row[0])]
-        limits.others_wait = any(not limits.is_background(r) for r in waiting)
-        limits.others_live = bool(foreground) or limits.others_wait
-        if limits.others_wait:
-            background = []
-        background = background[:background_quota(len(foreground), limits.others_live)]
-        limits.foreground_rows, limits.background_rows = len(foreground), len(background)
+        limits.background_row_cap, limits.background_tokens = self.background.budget(foreground, background, waiting)
+        background = background[:limits.background_row_cap]
+        limits.background_rows = len(background)
         kept = {row[0].request_id for row in [*foreground, *background]}
         return [row for row in candidates if row[0].request_id in kept]
 
