@@ -156,7 +156,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "short-first")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass
@@ -168,6 +168,13 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: the most draft tokens a request verifies a step (spec_decode/adaptive.py)
+    # suffix (spec_decode/suffix_proposer.py): the longest suffix of the sequence matched; the most tokens a draft
+    # has per matched token; the least estimated probability (frequency) of a drafted token given the match; the
+    # finished requests whose outputs are searched too (0: none).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     # draft_model: the draft's checkpoint directory, .gguf file or hub id, and its tensor-parallel size (1 only).
@@ -192,6 +199,18 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}; fix --speculative-config.")
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ValueError(f"speculative_config.suffix_decoding_max_tree_depth must be at least 1, got "
+                             f"{self.suffix_decoding_max_tree_depth}; fix --speculative-config.")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be positive, got "
+                             f"{self.suffix_decoding_max_spec_factor}; fix --speculative-config.")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob}; fix --speculative-config.")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError(f"speculative_config.suffix_decoding_max_cached_requests must not be negative, got "
+                             f"{self.suffix_decoding_max_cached_requests}; fix --speculative-config.")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:

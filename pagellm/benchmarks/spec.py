@@ -1,13 +1,14 @@
-"""`pagellm bench spec`: batch-1 decode speed with speculative decoding (`ngram` prompt lookup) against without, in
-one run, on two workloads through the chat template, greedy (so both settings emit the same tokens):
+"""`pagellm bench spec`: batch-1 decode speed with speculative decoding (each of `--methods`: `ngram` prompt lookup,
+`suffix` decoding) against without, in one run, on two workloads through the chat template, greedy (so every setting
+emits the same tokens):
 
-- editing: the prompt holds a code block (a function of pagellm's own source) and asks for it back with one change,
-  so the answer repeats much of the prompt: the case prompt lookup is for;
+- editing: the prompt holds a code block (a class of pagellm's own source) and asks for it back with one change,
+  so the answer repeats much of the prompt: the case both drafters are for;
 - chat: open questions, whose answers repeat little.
 
 Per workload and setting: decode tok/s (output tokens after the first, over the time from the first token to the
 last), and with speculation the acceptance rate (accepted over drafted tokens) and the mean tokens per step of a
-speculating request. The outputs of both settings are compared token for token.
+speculating request. The outputs are compared token for token with those without speculation.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode import ngram_proposer
 
 _request_ids = itertools.count()
+BENCH_METHODS = ("ngram", "suffix")  # the model-free drafters
 CHAT_QUESTIONS = ("Explain in a few paragraphs how a bicycle stays upright.",
                   "Write a short story about a lighthouse keeper who finds a message in a bottle.")
 
@@ -43,7 +45,9 @@ def editing_prompts() -> list[str]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=256, help="most tokens generated per prompt")
     parser.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens,
-                        help="k of the ngram drafter")
+                        help="k: the most tokens a request drafts")
+    parser.add_argument("--methods", nargs="+", choices=BENCH_METHODS, default=list(BENCH_METHODS),
+                        help="speculative methods to run beside no speculation")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
 
 
@@ -101,28 +105,33 @@ def run(args: argparse.Namespace) -> dict:
     if args.output_len < 2 or args.num_speculative_tokens < 1:
         raise ValueError("--output-len must be >= 2 and --num-speculative-tokens >= 1")
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), max_num_seqs=1)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     workloads = {"editing": editing_prompts(), "chat": list(CHAT_QUESTIONS)}
     off = run_setting(engine_args, None, workloads, args.output_len)
-    gc.collect()  # free this engine's KV pool before the next one allocates its own
-    on = run_setting(engine_args, spec, workloads, args.output_len)
+    on = {}
+    for method in args.methods:
+        gc.collect()  # free the last engine's KV pool before the next one allocates its own
+        on[method] = run_setting(engine_args, {"method": method, "num_speculative_tokens": args.num_speculative_tokens},
+                                 workloads, args.output_len)
     print(machine_header())
-    print(f"batch-1 greedy decode, ngram k={args.num_speculative_tokens}, up to {args.output_len} tokens per prompt")
-    print(f"  {'workload':<10}{'off tok/s':>11}{'on tok/s':>10}{'speedup':>9}{'accepted':>10}{'tok/step':>10}"
-          f"{'same tokens':>13}")
-    report = {}
+    print(f"batch-1 greedy decode, k={args.num_speculative_tokens}, up to {args.output_len} tokens per prompt")
+    print(f"  {'workload':<10}{'method':<8}{'off tok/s':>11}{'on tok/s':>10}{'speedup':>9}{'accepted':>10}"
+          f"{'tok/step':>10}{'same tokens':>13}")
+    report: dict = {}
     for name in workloads:
-        a, b = off[name], on[name]
-        rate, per_step = b["acceptance_rate"], b["tokens_per_verify_step"]
-        same = a["outputs"] == b["outputs"]
-        speedup = b["decode_tok_s"] / a["decode_tok_s"]
-        print(f"  {name:<10}{a['decode_tok_s']:>11.1f}{b['decode_tok_s']:>10.1f}{speedup:>8.2f}x"
-              f"{'-' if rate is None else f'{100 * rate:.0f}%':>10}{'-' if per_step is None else f'{per_step:.2f}':>10}"
-              f"{str(same):>13}")
-        report[name] = {"off": {k: v for k, v in a.items() if k != "outputs"},
-                        "on": {k: v for k, v in b.items() if k != "outputs"}, "speedup": speedup,
-                        "same_tokens": same}
+        a = off[name]
+        report[name] = {"off": {k: v for k, v in a.items() if k != "outputs"}}
+        for method, results in on.items():
+            b = results[name]
+            rate, per_step = b["acceptance_rate"], b["tokens_per_verify_step"]
+            same = a["outputs"] == b["outputs"]
+            speedup = b["decode_tok_s"] / a["decode_tok_s"]
+            print(f"  {name:<10}{method:<8}{a['decode_tok_s']:>11.1f}{b['decode_tok_s']:>10.1f}{speedup:>8.2f}x"
+                  f"{'-' if rate is None else f'{100 * rate:.0f}%':>10}"
+                  f"{'-' if per_step is None else f'{per_step:.2f}':>10}{str(same):>13}")
+            report[name][method] = {"on": {k: v for k, v in b.items() if k != "outputs"}, "speedup": speedup,
+                                    "same_tokens": same}
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": {"output_len": args.output_len, **spec}, **report},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"config": {"output_len": args.output_len, "methods": args.methods,
+                                                          "num_speculative_tokens": args.num_speculative_tokens},
+                                               **report}, indent=2))
     return report

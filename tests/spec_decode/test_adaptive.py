@@ -11,6 +11,7 @@ from pagellm.config import SpeculativeConfig
 from pagellm.spec_decode import adaptive
 from pagellm.spec_decode.adaptive import AdaptiveDrafter, best_length, expected_tokens
 from pagellm.spec_decode.step_cost import prior_cost
+from pagellm.spec_decode.suffix_proposer import SuffixDraft, SuffixProposer
 
 
 @dataclass(eq=False)
@@ -88,3 +89,33 @@ def test_each_request_has_its_own_length_and_its_state_goes_with_it():
     del writing, request  # the loop variable held it too
     gc.collect()
     assert len(d.states) == 1
+
+
+class ScriptedSuffix(SuffixProposer):
+    """Suffix drafts whose match length the test sets: `match_len` for the next draft."""
+
+    match_len = 1
+
+    def draft(self, request, max_tokens=None) -> SuffixDraft:
+        k = min(self.k, max_tokens or self.k)
+        return SuffixDraft(list(range(k)), [1.0] * k, self.match_len)
+
+
+def test_suffix_drafts_keep_a_rate_per_match_length():
+    """Drafts after long matches are all kept and those after one-token matches never: the short ones switch off
+    (probing now and then) while the long ones keep drafting long."""
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=4)
+    d = AdaptiveDrafter(config)
+    d.proposer = ScriptedSuffix(config)
+    request = FakeRequest()
+    lengths: dict[int, list[int]] = {1: [], 20: []}
+    for step in range(80):
+        match_len = 20 if step % 2 else 1
+        d.proposer.match_len = match_len
+        draft = d.propose(request, room=100)
+        lengths[match_len].append(len(draft))
+        if draft:
+            d.observe(request, len(draft), len(draft) if match_len == 20 else 0)
+    assert 0 not in lengths[20] and lengths[20][-1] >= 2
+    assert sum(lengths[1][20:]) <= 4, "short matches stopped drafting but for a few one-token probes"
+    assert d.states[request].classes[adaptive.match_class(1)].rate < 0.2
