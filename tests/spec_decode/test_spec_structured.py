@@ -28,6 +28,8 @@ from pagellm.spec_decode import adaptive
 from pagellm.structured_output.backend_guidance import GuidanceBackend
 from pagellm.structured_output.manager import LazyBackend, StructuredOutputManager
 from pagellm.structured_output.request import StructuredOutputRequest
+from pagellm.worker.input_batch import InputBatch, attach_grammar_bitmask
+from pagellm.worker.sampling_inputs import build_sampling_tensors
 
 VOCAB = 49152
 EOS = 2
@@ -168,7 +170,9 @@ def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backe
     sched.add_request(request)
     manager.wait_for_any([request.structured_output_request], 10)
     yes, comma_no, dot = tokenizer.encode("yes"), tokenizer.encode(", no"), tokenizer.encode(".")
+    worker = InputBatch()
     out = sched.schedule()
+    worker.update(out)
     sched.start_grammar_bitmask(out).result()
     sched.update_from_output(out, {"c": yes[:1]})
     drafts = iter([comma_no + tokenizer.encode(" maybe") + comma_no, comma_no + dot + comma_no])
@@ -184,6 +188,15 @@ def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backe
         assert np.array_equal(unpacked(row), allowed(reference)), i
         if i < len(comma_no):
             reference.consume_token(comma_no[i])
+    # The worker masks each verified position (one logits row each, in order) with its own row.
+    batch = worker.update(out)
+    sampled = [batch[0]] * len(rows)
+    attach_grammar_bitmask(sampled, out.structured_output_request_ids, rows)
+    tensors = build_sampling_tensors(sampled, VOCAB, torch.device("cpu"))
+    assert tensors.disallowed_tokens[0] is None
+    assert np.array_equal(tensors.disallowed_tokens[1].numpy(), ~np.stack([unpacked(row) for row in rows]))
+    with pytest.raises(RuntimeError, match="rows for the step's"):
+        attach_grammar_bitmask(sampled, out.structured_output_request_ids, rows[:1])
     # The target kept the first draft token and sampled another after it: both advance the grammar.
     comma_yes = tokenizer.encode(", yes")
     assert comma_yes[0] == comma_no[0] and comma_yes[1] != comma_no[1]
@@ -191,6 +204,7 @@ def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backe
     assert request.output_token_ids == yes[:1] + comma_yes
 
     out = sched.schedule()
+    worker.update(out)
     assert out.scheduled[0].spec_token_ids == comma_no + dot  # nothing after the end
     rows = GrammarOutput.from_future(sched.start_grammar_bitmask(out)).grammar_bitmask
     assert set(np.flatnonzero(unpacked(rows[-1]))) == {EOS}
