@@ -158,15 +158,27 @@ def test_n_and_constrained_requests_identical_to_no_speculation(target, drafts, 
     llm.llm_engine.engine_core.scheduler.check_consistency()
 
 
+def test_seeded_sampling_matches_no_speculation(target, drafts, prompts):
+    """Temperature > 0: the drafts are the draft model's argmax (deterministic), so rejection sampling keeps the
+    target's distribution, and a seeded row's noise depends only on its seed and position: the same tokens."""
+    model_dir, _ = target
+    seeded = [SamplingParams(temperature=0.8, top_k=5, seed=3 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    expected = token_ids(make_llm(model_dir).generate(prompts, seeded))
+    llm = make_llm(model_dir, drafts["near"])
+    assert token_ids(llm.generate(prompts, seeded)) == expected
+    assert stats(llm).num_accepted_tokens > 0
+
+
 def test_the_default_models_q4_1_file_drafts_for_its_float32_self(smollm2_dir):
     from pagellm.model_executor.model_loader.resolve import default_model_path
 
     prompt = {"prompt_token_ids": [1, 504, 3458, 314, 4649, 429, 2717, 30, 378, 3458, 314]}
     kwargs = dict(model=str(smollm2_dir), quantization="none", max_model_len=512, kv_cache_memory_bytes=64 << 20)
-    expected = token_ids(LLM(**kwargs).generate([prompt], greedy(32)))
+    expected = token_ids(LLM(**kwargs).generate([prompt], greedy(24)))
     llm = LLM(**kwargs, speculative_config={"method": "draft_model", "model": str(default_model_path()),
                                             "num_speculative_tokens": K})
-    assert token_ids(llm.generate([prompt], greedy(32))) == expected
+    assert token_ids(llm.generate([prompt], greedy(24))) == expected
     # The float32 weights are the Q4_1 file's, dequantized: the drafts differ only by the kernels' rounding.
     assert stats(llm).acceptance_rate > 0.8
 
