@@ -7,7 +7,8 @@ queue means the replica is saturated; ties go to the replica with the lower KV-c
 Prefix affinity (with prefix caching on): a request whose prompt begins with full blocks recently sent to a
 replica goes to that replica, where those blocks are likely still cached, unless it is more than
 `PREFIX_AFFINITY_SLACK` load units busier than the least loaded one. Each replica's recent block hashes are kept
-in an LRU as large as its KV pools (device + host tier), so the guess ages as the replica's own cache does.
+in an LRU as large as its KV pools (device + host tier) hold prompt blocks, so the guess ages as the replica's own
+cache does: a model with several KV cache groups (Gemma 3's windows) caches a page per group for each block.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class LoadAwareRouter:
         self.in_flight = [0] * self.num_replicas
         self._stats = list(initial_stats)
         self._recent_blocks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in initial_stats]
-        self._capacity = [stats.num_blocks + stats.num_host_blocks for stats in initial_stats]
+        self._capacity = [(stats.num_blocks + stats.num_host_blocks) // stats.num_kv_cache_groups
+                          for stats in initial_stats]
 
     def load(self, replica: int) -> int:
         return self.in_flight[replica] + WAITING_WEIGHT * self._stats[replica].num_waiting

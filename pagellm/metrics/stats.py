@@ -37,6 +37,9 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # KV cache groups (one per attention type, core/kv/kv_cache_groups.py): a block of a prompt holds a page of the
+    # pool in each group, so the pool holds num_blocks // num_kv_cache_groups blocks of prompts.
+    num_kv_cache_groups: int = 1
 
     @property
     def kv_cache_usage(self) -> float:
@@ -50,11 +53,13 @@ def aggregate_scheduler_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
     total = SchedulerStats(0, 0, 0, 0, 0)
     for stats in replicas:
         for f in dataclasses.fields(SchedulerStats):
-            if f.name not in ("kv_cache_token_efficiency", "spec_decode_num_accepted_tokens_per_pos"):
+            if f.name not in ("kv_cache_token_efficiency", "spec_decode_num_accepted_tokens_per_pos",
+                              "num_kv_cache_groups"):
                 setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
         per_pos = (total.spec_decode_num_accepted_tokens_per_pos, stats.spec_decode_num_accepted_tokens_per_pos)
         total.spec_decode_num_accepted_tokens_per_pos = tuple(
             sum(counts[i] for counts in per_pos if i < len(counts)) for i in range(max(map(len, per_pos))))
+    total.num_kv_cache_groups = replicas[0].num_kv_cache_groups  # replicas run the same model
     if total.num_used_blocks:
         total.kv_cache_token_efficiency = sum(s.kv_cache_token_efficiency * s.num_used_blocks
                                               for s in replicas) / total.num_used_blocks

@@ -80,15 +80,30 @@ def test_longest_matching_prefix_wins_and_old_blocks_are_forgotten():
     assert router.route(request(short)) == 1
 
 
+@pytest.mark.parametrize("num_kv_cache_groups", [1, 3])
+def test_the_recent_blocks_are_as_many_as_the_pools_hold_per_group(num_kv_cache_groups):
+    """9 pages (6 device, 3 host) hold 9 prompt blocks of a one-group model but 3 of a model with three KV cache
+    groups (Gemma 3's windows: a block is a page in each group), so there a fourth block forgets the first."""
+    stats = idle(num_blocks=6, num_host_blocks=3, num_kv_cache_groups=num_kv_cache_groups)
+    router = LoadAwareRouter([stats, stats], BLOCK_SIZE, prefix_affinity=True)
+    first = list(range(100, 112))  # three blocks
+    assert router.route(request(first)) == 0
+    router.in_flight = [0, PREFIX_AFFINITY_SLACK + 1]
+    assert router.route(request(list(range(200, 204)))) == 0  # a fourth block on replica 0
+    router.in_flight = [1, 0]
+    assert router.route(request(first + [1])) == (0 if num_kv_cache_groups == 1 else 1)
+
+
 def test_aggregate_sums_counts_and_weights_token_efficiency():
     a = SchedulerStats(2, 1, 30, 100, 4, prefix_cache_queries=50, prefix_cache_hits=10, kv_cache_token_efficiency=0.5,
-                       num_used_host_blocks=1, num_host_blocks=10)
+                       num_used_host_blocks=1, num_host_blocks=10, num_kv_cache_groups=6)
     b = SchedulerStats(1, 0, 10, 100, 1, prefix_cache_queries=20, prefix_cache_hits=20, kv_cache_token_efficiency=1.0,
-                       num_used_host_blocks=0, num_host_blocks=10)
+                       num_used_host_blocks=0, num_host_blocks=10, num_kv_cache_groups=6)
     total = aggregate_scheduler_stats([a, b])
     assert (total.num_running, total.num_waiting, total.num_used_blocks, total.num_blocks) == (3, 1, 40, 200)
     assert (total.num_preemptions_total, total.prefix_cache_queries, total.prefix_cache_hits) == (5, 70, 30)
     assert (total.num_used_host_blocks, total.num_host_blocks) == (1, 20)
+    assert total.num_kv_cache_groups == 6  # the model's, not a count to sum
     assert total.kv_cache_usage == pytest.approx(0.2)
     assert total.kv_cache_token_efficiency == pytest.approx((0.5 * 30 + 1.0 * 10) / 40)
     assert aggregate_scheduler_stats([a]) is a

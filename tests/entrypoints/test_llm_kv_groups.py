@@ -57,7 +57,7 @@ def test_long_generation_in_a_pool_too_small_for_full_attention(block_size, mode
               kv_cache_memory_bytes=page_bytes(pool_bytes, model_dir, block_size) * num_blocks)
     core = llm.llm_engine.engine_core
     assert core.num_blocks == num_blocks
-    assert len(core.kv_cache_manager.groups) == 4
+    assert len(core.kv_cache_manager.groups) == core.scheduler.stats().num_kv_cache_groups == 4
     assert every_token_every_layer(40 + new_tokens, block_size) > num_blocks, "one sequence would not fit"
     outputs = llm.generate(make_token_prompts([40, 40], seed=11), greedy(new_tokens), use_tqdm=False)
     assert core.scheduler.num_preemptions_total == 0

@@ -205,7 +205,8 @@ class Scheduler:
             num_swapped_in_blocks_total=manager.num_swapped_in_blocks,
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
+            num_kv_cache_groups=len(manager.groups))
 
     # ---- one step ----------------------------------------------------------------------------------------
     def schedule(self, max_scheduled: int | None = None) -> SchedulerOutput:
