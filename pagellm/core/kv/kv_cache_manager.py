@@ -6,67 +6,31 @@ Prefix cache: once a full block's K/V are computed it is indexed under its chain
 request takes every cached block of its prefix and computes only the rest. Freed blocks stay cached until the
 pool needs them (see BlockPool).
 
-Host tier (when it has blocks): a second BlockPool whose blocks mirror device blocks in host memory. A cached
-device block that is evicted is copied to a host block first, keeping its hash, and a later prefix hit on it is
-copied back instead of recomputed; a request preempted by swapping has all its blocks copied out and back in.
-The copies are only listed here (`take_transfers`); the workers make them before the step's forward pass. Host
-blocks a step's copies read or write are held until the step has run (`finish_step`), so no later decision in the
-same step can reuse them.
+Host tier (see host_tier.py, which owns both pools and the step's block moves): evicted cached blocks are kept
+in host memory for later prefix hits, and a request preempted by swapping has its blocks copied out and back in.
 
 KV cache groups (see kv_cache_groups.py): a request holds one block table per group, all over the one pool and all
 positional (every table has an entry per block of the request's tokens). A full-attention group keeps every block.
 A sliding group (window W) frees a block once the request has computed past its window (a query at position q
 reads keys q - W < k <= q): its entry becomes `NULL_BLOCK` (block id 0 for the workers, read only under the
-kernels' window mask), and the freed block stays cached for prefix hits until evicted. A block's prefix-cache key
-is its hash and its group (`group_key`), so groups never share K/V. A prefix hit is the longest length every group
-has: the full groups need every block, a sliding group only the blocks the next query's window reads. `req_to_blocks`
-and `req_to_host_blocks` are the first group's tables (a full-attention group when the model has one).
+kernels' window mask), and the freed block stays cached for prefix hits until evicted. Prefix hits across the
+groups: prefix_hit.py. `req_to_blocks` and `req_to_host_blocks` are the first group's tables (a full-attention group
+when the model has one).
 """
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagellm.core.kv.block_hash import extend_block_hashes
 from pagellm.core.kv.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.kv.group_tables import GroupTables, check_tables, device_holders, host_holders, token_efficiency
+from pagellm.core.kv.host_tier import TieredBlocks, Transfers
 from pagellm.core.kv.kv_cache_groups import blocks_needed, cdiv
-from pagellm.core.kv.sliding_window import NULL_BLOCK, live, num_skipped_blocks, window_hit
+from pagellm.core.kv.prefix_hit import ComputedBlocks, find_prefix_hit, group_key
+from pagellm.core.kv.sliding_window import NULL_BLOCK, live, num_skipped_blocks
 from pagellm.core.request import Request
 
 __all__ = ["ComputedBlocks", "KVCacheManager", "PrefixCacheStats", "Transfers", "cdiv", "group_key"]
-
-
-def group_key(block_hash: bytes, group: int) -> bytes:
-    """The prefix-cache key of a block of `group` (the first group's is the hash itself)."""
-    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
-
-
-@dataclass(slots=True)
-class ComputedBlocks:
-    """A request's prefix found in the cache: blocks on the device, then blocks only the host tier still has. These
-    are the first group's; `others` holds the other groups' hits, of the same length."""
-
-    device: list[KVCacheBlock] = field(default_factory=list)
-    host: list[KVCacheBlock] = field(default_factory=list)
-    others: list[ComputedBlocks] = field(default_factory=list)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.device) + len(self.host)
-
-    def group(self, index: int) -> ComputedBlocks:
-        if index == 0:
-            return self
-        return self.others[index - 1] if self.others else ComputedBlocks()
-
-
-@dataclass(slots=True)
-class Transfers:
-    """The block moves one step owes the workers, in the order they are made (see SchedulerOutput)."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (device source, device destination)
 
 
 @dataclass(slots=True)
@@ -77,18 +41,6 @@ class PrefixCacheStats:
     hits: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class GroupTables:
-    """One KV cache group's block tables: on the device, and swapped out to the host tier."""
-
-    window: int | None  # None: full attention
-    req_to_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
-    req_to_host_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
-    swapped_num_freed: dict[str, int] = field(default_factory=dict)  # a swapped-out table's NULL_BLOCK entries
-    num_cached_blocks: dict[str, int] = field(default_factory=dict)  # how many of a table's blocks are indexed
-    num_window_freed_blocks: int = 0  # cumulative: blocks freed because they fell out of the window
 
 
 class KVCacheManager:
@@ -103,21 +55,32 @@ class KVCacheManager:
         # The window every layer shares (None: some layer attends to all tokens, or the groups differ).
         self.sliding_window = self.group_windows[0] if len(self.groups) == 1 else None
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, on_evict=self._save_to_host if num_host_blocks else None)
-        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
+        self.tiers = TieredBlocks(num_blocks, num_host_blocks)
+        self.block_pool: BlockPool = self.tiers.device
+        self.host_pool: BlockPool | None = self.tiers.host
         self.req_to_blocks = self.groups[0].req_to_blocks
         self.req_to_host_blocks = self.groups[0].req_to_host_blocks  # requests swapped out to the host tier
-        self._transfers = Transfers()
-        self._held_host_blocks: list[KVCacheBlock] = []  # read or written by this step's copies
         self._rewritten_tables: set[str] = set()  # tables with a block replaced in place (copy-on-write)
         self.prefix_stats = PrefixCacheStats()
-        # Blocks copied to and from the host tier (swap preemption and the second-level prefix cache).
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
 
     @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
+
+    @property
+    def num_swapped_out_blocks(self) -> int:
+        """Cumulative: blocks copied to the host tier (swap preemption and evicted cached blocks)."""
+        return self.tiers.num_swapped_out_blocks
+
+    @property
+    def num_swapped_in_blocks(self) -> int:
+        """Cumulative: blocks copied back from the host tier (swapped requests and host prefix hits)."""
+        return self.tiers.num_swapped_in_blocks
+
+    @property
+    def _held_host_blocks(self) -> list[KVCacheBlock]:
+        """The host blocks this step's copies hold (tests/core/test_scheduler_invariants.py counts them)."""
+        return self.tiers.held_host_blocks
 
     @property
     def num_window_freed_blocks(self) -> int:
@@ -158,53 +121,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return ComputedBlocks()  # cached positions have no logits or hidden states to report
         hashes = self._block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
-        keys = [[group_key(h, g) for h in hashes] if g else hashes for g in range(len(self.groups))]
-        chains = [self._chain_hit(group_keys) for group_keys in keys]
-        # A sliding group may hit a length its chain does not reach (the window's blocks are cached, the head
-        # evicted), but not every shorter one: shrink to a length every group has.
-        length = len(hashes)
-        while True:
-            found = min(self._hit_length(g, keys[g], chains[g], length) for g in range(len(self.groups)))
-            if found == length:
-                break
-            length = found
-        hits = []
-        for g, chain in enumerate(chains):
-            if chain.num_blocks >= length:
-                device, host = chain.device[:length], chain.host[:length - len(chain.device[:length])]
-                # A sliding group takes no block before the next query's window (it would free it at once).
-                skip = num_skipped_blocks(length * self.block_size, self.groups[g].window, self.block_size)
-                if skip > len(device):
-                    device, host = [NULL_BLOCK] * skip, host[skip - len(device):]
-                elif skip:
-                    device = [NULL_BLOCK] * skip + device[skip:]
-                hits.append(ComputedBlocks(device, host))
-            else:
-                hits.append(ComputedBlocks(window_hit(self.block_pool, keys[g][:length], self.groups[g].window,
-                                                      self.block_size)))
-        hits[0].others = hits[1:]
-        return hits[0]
-
-    def _chain_hit(self, keys: list[bytes]) -> ComputedBlocks:
-        """The blocks of the longest prefix of `keys` cached on the device, then in the host tier."""
-        computed = ComputedBlocks()
-        for key in keys:
-            block = None if computed.host else self.block_pool.lookup(key)
-            if block is not None:
-                computed.device.append(block)
-                continue
-            block = self.host_pool.lookup(key) if self.host_pool is not None else None
-            if block is None:
-                break
-            computed.host.append(block)
-        return computed
-
-    def _hit_length(self, g: int, keys: list[bytes], chain: ComputedBlocks, limit: int) -> int:
-        """The longest hit of group `g` at most `limit` blocks long."""
-        window = self.groups[g].window
-        if chain.num_blocks >= limit or window is None:
-            return min(chain.num_blocks, limit)
-        return max(chain.num_blocks, len(window_hit(self.block_pool, keys[:limit], window, self.block_size)))
+        return find_prefix_hit(hashes, self.group_windows, self.block_size, self.block_pool, self.host_pool)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
@@ -230,10 +147,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (after a failed step, whose copies may not have happened)."""
-        self.finish_step()
-        self.block_pool.reset_cache()
-        if self.host_pool is not None:
-            self.host_pool.reset_cache()
+        self.tiers.reset_cache()
 
     # ---- allocation -----------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
@@ -276,7 +190,7 @@ class KVCacheManager:
             # until the step has copied them in.
             for hit, _, _ in plans:
                 self.block_pool.touch(live(hit.device))
-                if hit.host:
+                if hit.host and self.host_pool is not None:
                     self.host_pool.touch(hit.host)
         swapped_in = False
         for group, (hit, copy_on_write, num_fresh) in zip(self.groups, plans):
@@ -297,17 +211,13 @@ class KVCacheManager:
         if hit.device:
             blocks = blocks + hit.device
         if hit.host:
-            blocks += self._load_from_host(hit.host)
+            blocks += self.tiers.load_from_host(hit.host)
         swapped = request_id in group.req_to_host_blocks
         if swapped:
             blocks += [NULL_BLOCK] * group.swapped_num_freed.pop(request_id, 0)
-            blocks += self._load_from_host(group.req_to_host_blocks.pop(request_id))
+            blocks += self.tiers.load_from_host(group.req_to_host_blocks.pop(request_id))
         if copy_on_write:
-            shared = blocks[first]
-            (private,) = self.block_pool.allocate(1)
-            self.block_pool.free([shared])
-            blocks[first] = private
-            self._transfers.copies.append((shared.block_id, private.block_id))
+            blocks[first] = self.tiers.copy_on_write(blocks[first])
             self._rewritten_tables.add(request_id)
         group.req_to_blocks[request_id] = blocks + self.block_pool.allocate(num_fresh)
         return swapped
@@ -328,26 +238,6 @@ class KVCacheManager:
         else:
             self.prefix_stats.queries += request.num_tokens
 
-    def _load_from_host(self, host_blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-        """Fresh device blocks receiving copies of `host_blocks` this step. The caller's reference to each host block
-        (a hit's, taken in `allocate_slots`, or a swapped-out request's own) is dropped once the step is over."""
-        self._held_host_blocks += host_blocks
-        device_blocks = self.block_pool.allocate(len(host_blocks))
-        self._transfers.swap_in += [(h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks)]
-        self.num_swapped_in_blocks += len(host_blocks)
-        return device_blocks
-
-    def _save_to_host(self, block: KVCacheBlock) -> None:
-        """Eviction hook of the device pool: keep a copy of the cached block in the host tier when a host block is
-        free (the host tier evicts its own least recently used copy for it)."""
-        if block.block_hash in self.host_pool.cached or not self.host_pool.num_free_blocks:
-            return
-        (host_block,) = self.host_pool.allocate(1)
-        self.host_pool.cache(host_block, block.block_hash)
-        self._transfers.swap_out.append((block.block_id, host_block.block_id))
-        self._held_host_blocks.append(host_block)
-        self.num_swapped_out_blocks += 1
-
     def can_swap_out(self, request: Request) -> bool:
         num = sum(len(live(group.req_to_blocks.get(request.request_id, []))) for group in self.groups)
         return self.host_pool is not None and 0 < num <= self.host_pool.num_free_blocks
@@ -361,12 +251,7 @@ class KVCacheManager:
             blocks = live(table)
             if len(blocks) < len(table):
                 group.swapped_num_freed[request_id] = len(table) - len(blocks)
-            host_blocks = self.host_pool.allocate(len(blocks))
-            self._transfers.swap_out += [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
-            self.host_pool.touch(host_blocks)  # held by the step's copy, and by the request
-            self._held_host_blocks += host_blocks
-            group.req_to_host_blocks[request_id] = host_blocks
-            self.num_swapped_out_blocks += len(blocks)
+            group.req_to_host_blocks[request_id] = self.tiers.copy_to_host(blocks)
             group.num_cached_blocks.pop(request_id, None)
             self.block_pool.free(blocks)
 
@@ -382,14 +267,12 @@ class KVCacheManager:
             group.num_cached_blocks[child.request_id] = group.num_cached_blocks.get(parent.request_id, 0)
 
     def take_transfers(self) -> Transfers:
-        transfers, self._transfers = self._transfers, Transfers()
-        return transfers
+        """The block moves this step owes the workers (see host_tier.py)."""
+        return self.tiers.take_transfers()
 
     def finish_step(self) -> None:
         """The step's copies are done: release the host blocks they held."""
-        if self._held_host_blocks:
-            self.host_pool.free(self._held_host_blocks)
-            self._held_host_blocks = []
+        self.tiers.finish_step()
 
     def get_block_ids(self, request_id: str, start: int = 0, group: int = 0) -> list[int]:
         """Block ids of one group's table (by default the first), from entry `start` on."""
@@ -414,43 +297,17 @@ class KVCacheManager:
             if blocks:
                 self.block_pool.free(blocks)
             host_blocks = group.req_to_host_blocks.pop(request_id, None)
-            if host_blocks:
+            if host_blocks and self.host_pool is not None:
                 self.host_pool.free(host_blocks)
 
     def token_efficiency(self, num_computed: dict[str, int]) -> float:
-        """Tokens stored / capacity of the blocks requests hold, each physical block counted once. `num_computed`:
-        request id -> its computed tokens. Only a table's last block can be partly filled (the ones before it are
-        full), so this looks at one block per table, not at every block: it runs after every step."""
-        waste: dict[int, int] = {}  # last block id -> its empty slots (a block shared by forks counted once)
-        for group in self.groups:
-            for request_id, blocks in group.req_to_blocks.items():
-                if blocks and blocks[-1] is not NULL_BLOCK:
-                    empty = max(len(blocks) * self.block_size - num_computed.get(request_id, 0), 0)
-                    last = blocks[-1].block_id
-                    waste[last] = min(waste.get(last, empty), empty)
-        capacity = self.block_pool.num_used_blocks * self.block_size
-        return 1.0 - sum(waste.values()) / capacity if capacity else 1.0
+        """Tokens stored / capacity of the blocks requests hold (see group_tables.token_efficiency)."""
+        return token_efficiency(self.groups, num_computed, self.block_size, self.block_pool.num_used_blocks)
 
     def check_consistency(self, live_request_ids: set[str]) -> None:
         """Raise RuntimeError unless only live requests hold blocks, every group holds the same requests with tables
         of the same length, and every block's ref count equals the number of holders, in both tiers (checked after a
         failed step, before the engine goes on)."""
-        for group in self.groups:
-            stray = (set(group.req_to_blocks) | set(group.req_to_host_blocks)) - live_request_ids
-            if stray:
-                raise RuntimeError(f"Finished requests still hold KV blocks: {sorted(stray)[:10]}.")
-            if set(group.swapped_num_freed) - set(group.req_to_host_blocks):
-                raise RuntimeError("A request that is not swapped out keeps a swapped table's freed entries.")
-        first = self.groups[0]
-        for group in self.groups[1:]:
-            if ({rid: len(t) for rid, t in group.req_to_blocks.items()}
-                    != {rid: len(t) for rid, t in first.req_to_blocks.items()}
-                    or set(group.req_to_host_blocks) != set(first.req_to_host_blocks)):
-                raise RuntimeError("The KV cache groups' block tables disagree on the requests or their lengths.")
-        self.block_pool.check_ref_counts(Counter(b.block_id for group in self.groups
-                                                 for blocks in group.req_to_blocks.values() for b in live(blocks)))
-        if self.host_pool is not None:
-            holders = Counter(b.block_id for group in self.groups for blocks in group.req_to_host_blocks.values()
-                              for b in blocks)
-            holders.update(b.block_id for b in self._held_host_blocks)
-            self.host_pool.check_ref_counts(holders)
+        check_tables(self.groups, live_request_ids)
+        self.block_pool.check_ref_counts(device_holders(self.groups))
+        self.tiers.check_host_ref_counts(host_holders(self.groups))
