@@ -3,10 +3,12 @@ greedily at the start of each step, into the placeholder slots the scheduler res
 
 The draft model has its own KV cache tensors, with as many blocks as the target's and addressed by the same block
 tables and slots, so it needs no allocator of its own (the worker's KV budget counts both models' bytes per block).
-A request's draft K/V lags its target K/V: it is written only when the request drafts. `valid` tracks, per request,
-how many leading positions hold draft K/V of the request's own tokens; each drafting step first runs the draft over
-the tokens after them up to the last known one (the catch-up, a prompt chunk the first time), which gives the first
-draft token, then k - 1 one-token decode steps, all of the step's drafting requests batched together. Positions of
+The draft computes each prompt chunk beside the target (in the same step, so under its token budget) and a decoding
+request's tokens only when it drafts. `valid` tracks, per request, how many leading positions hold draft K/V of the
+request's own tokens; each drafting step first runs the draft over the tokens after them up to the last known one
+(the catch-up: the last sample, and the last draft when all were kept, or the tokens decoded since the request last
+drafted; the whole prompt after a prefix-cache hit), which gives the first draft token, then k - 1 one-token decode
+steps, the step's drafting requests and prompt chunks batched together. Positions of
 rejected drafts are rewritten later, since `valid` never passes a request's computed tokens. A request the worker
 is sent in full (new, forked, resumed after preemption) starts again at 0, so blocks shared through the prefix cache
 or a fork are only ever rewritten with the same tokens' K/V; copy-on-write copies apply to the draft's cache too.
@@ -69,19 +71,28 @@ class DraftModelProposer:
         for request in batch:  # positions past the computed ones may hold rejected drafts' K/V
             self.valid[request.request_id] = min(self.valid.get(request.request_id, 0), request.num_computed_tokens)
         drafting = [r for r in batch if r.num_spec_tokens]
-        if not drafting:
+        # Prompt chunks (not plain decodes) of requests whose draft K/V is in step: the draft computes them beside
+        # the target, so its prompt's K/V is written under the step's token budget, not as one long catch-up
+        # inside a later decode step (vLLM's draft model also runs over every prompt chunk).
+        following = [r for r in batch if not r.num_spec_tokens and r.pooling_params is None
+                     and (r.num_tokens > 1 or not r.needs_sample) and self.valid[r.request_id] == r.num_computed_tokens]
+        if not drafting and not following:
             return output, {}
-        drafts = self._draft(drafting)
+        drafts = self._draft(drafting, following)
+        if not drafts:
+            return output, {}
         scheduled = [dataclasses.replace(s, spec_token_ids=drafts[s.request_id]) if s.request_id in drafts else s
                      for s in output.scheduled]
         return dataclasses.replace(output, scheduled=scheduled), drafts
 
-    def _draft(self, requests: list[BatchedRequest]) -> dict[str, list[int]]:
-        """`num_spec_tokens` greedy draft tokens for each request, after its tokens up to num_computed_tokens."""
+    def _draft(self, requests: list[BatchedRequest], following: list[BatchedRequest]) -> dict[str, list[int]]:
+        """`num_spec_tokens` greedy draft tokens for each of `requests`, after its tokens up to
+        num_computed_tokens; the first forward pass also computes the `following` prompt chunks."""
         states = self.runner.input_batch.requests
         drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         wanted = {r.request_id: r.num_spec_tokens for r in requests}
-        rows = []
+        rows = [BatchedRequest(r.request_id, r.token_ids, r.num_computed_tokens, r.block_ids, self._params,
+                               needs_sample=False) for r in following]
         for r in requests:  # the catch-up: the draft's missing positions, through the last known token
             begin, last = self.valid[r.request_id], r.num_computed_tokens
             # A short one (after a verify step) runs as decode rows, one per token, as a verify step does: the CPU's
@@ -91,10 +102,14 @@ class DraftModelProposer:
             rows.append(BatchedRequest(r.request_id, states[r.request_id].all_token_ids[begin:last + 1], begin,
                                        r.block_ids, self._params, needs_sample=True,
                                        num_spec_tokens=num_tokens - 1 if num_tokens <= MAX_DECODE_ROWS else 0))
+        for r in following:
+            self.valid[r.request_id] = r.num_computed_tokens + r.num_tokens
         while rows:
             tokens = self._argmax(rows)
             next_rows = []
             for row in rows:
+                if not row.needs_sample:
+                    continue
                 draft = drafts[row.request_id]
                 draft.append(tokens[row.request_id])
                 if len(draft) < wanted[row.request_id]:
@@ -107,10 +122,12 @@ class DraftModelProposer:
         return drafts
 
     def _argmax(self, rows: list[BatchedRequest]) -> dict[str, int]:
-        """One forward pass of the draft over `rows`, writing their K/V; each row's next token, greedily."""
+        """One forward pass of the draft over `rows`, writing their K/V; each sampling row's next token, greedily."""
         runner = self.runner
         inputs = runner.prepare_inputs(rows)
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        if not inputs.sampled:
+            return {}
         tokens = runner.model.compute_logits(hidden[inputs.logits_indices]).argmax(dim=-1).tolist()
         # A request's rows come in order: its last row's token is kept.
         return {request.request_id: token for request, token in zip(inputs.sampled, tokens)}
