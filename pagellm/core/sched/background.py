@@ -7,7 +7,8 @@ takes; the online model of a step's time (step_time.py) sets that. By what inter
   newcomer's prefill runs alone.
 - Some run, none waits: background rows ride along only as far as the model predicts they add at most RIDE_SHARE
   to the step's time (on a GPU a decode row beside others costs little; on a CPU one usually does not fit, and
-  background work waits for a gap). Interactive traffic that never pauses leaves the batch waiting.
+  background work waits for a gap), and at most half as many as interactive ones. Interactive traffic that never
+  pauses leaves the batch waiting.
 - None runs or waits, but one did within IDLE_WINDOW_S: background steps are short, predicted to take at most
   1 + GAP_EXTRA times a step of one row, so that a request arriving meanwhile waits little. Up to GAP_PROMPT_SHARE
   of that room goes to prompt chunks, the rest to decode rows; at least one row and MIN_PROMPT_TOKENS prompt tokens
@@ -15,8 +16,9 @@ takes; the online model of a step's time (step_time.py) sets that. By what inter
 - None for IDLE_WINDOW_S: full speed, the static limits (max_num_seqs, max_num_batched_tokens); the first
   interactive request after such a quiet spell waits for one such step.
 
-Until the model has seen enough steps, fixed caps stand in: background rows at most half as many as interactive
-ones (at least one) and at most FALLBACK_ROWS, with FALLBACK_PROMPT_TOKENS prompt tokens a step.
+Within the window background work never takes more than MAX_ROWS rows and MAX_PROMPT_TOKENS prompt tokens a
+step, whatever the model says (a fit thrown by a stalled step of a shared host once gave it 64 rows); until the
+model has seen enough steps, those caps alone stand in (and beside interactive rows, half as many as theirs).
 """
 from __future__ import annotations
 
@@ -28,13 +30,13 @@ from collections.abc import Callable
 from pagellm.core.request import Request
 from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
-IDLE_WINDOW_S = 10.0  # interactive traffic seen this recently keeps background steps short
+IDLE_WINDOW_S = 30.0  # interactive traffic seen this recently keeps background steps short
 GAP_EXTRA = 0.25  # in a gap of interactive traffic, a background step's time over that of a one-row step, at most
 GAP_PROMPT_SHARE = 0.5  # of that extra room, kept for prompt chunks while background prompts wait
 RIDE_SHARE = 0.05  # what background rows may add to the time of an interactive step, at most
 MIN_PROMPT_TOKENS = 2  # prompt tokens a background step may always take (in a gap)
-FALLBACK_ROWS = 8
-FALLBACK_PROMPT_TOKENS = 16
+MAX_ROWS = 8  # background rows a step, at most, within the window
+MAX_PROMPT_TOKENS = 16  # background prompt tokens a step, at most, within the window
 
 Row = tuple[Request, int]  # a running request and the tokens it could compute this step
 
@@ -64,11 +66,12 @@ class BackgroundShare:
             return 0, 0
         if now - self.last_interactive >= IDLE_WINDOW_S:
             return sys.maxsize, sys.maxsize
+        rows = min(MAX_ROWS, max(1, len(foreground) // 2)) if foreground else MAX_ROWS
         if not self.model.ready:
-            rows = min(FALLBACK_ROWS, max(1, len(foreground) // 2)) if foreground else FALLBACK_ROWS
-            return rows, FALLBACK_PROMPT_TOKENS
+            return rows, MAX_PROMPT_TOKENS
         num_waiting = min(sum(1 for r in waiting if self.is_background(r)), self.max_rows)
-        return self._within_model(foreground, background, num_waiting)
+        model_rows, model_tokens = self._within_model(foreground, background, num_waiting)
+        return min(rows, model_rows), min(MAX_PROMPT_TOKENS, model_tokens)
 
     def _within_model(self, foreground: list[Row], background: list[Row], num_waiting: int) -> tuple[int, int]:
         model = self.model
@@ -92,6 +95,4 @@ class BackgroundShare:
         rows = max(rows, 0 if foreground else 1)
         shape = StepShape(len(foreground) + rows, sum(fg_contexts) + sum(bg_contexts[:rows]), fg_extra)
         tokens = model.max_extra_tokens(target_s, shape)
-        if token_cost <= 0:  # the model has not seen a prompt token's cost yet
-            tokens = min(tokens, FALLBACK_PROMPT_TOKENS)
         return rows, tokens if foreground else max(tokens, MIN_PROMPT_TOKENS)
