@@ -71,6 +71,11 @@ class BatchedRequest:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Every KV cache group's whole table, in group order (one for a model with one group)."""
+        return [self.block_ids, *self.group_block_ids]
+
 
 class InputBatch:
     def __init__(self) -> None:

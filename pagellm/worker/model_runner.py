@@ -187,8 +187,7 @@ class ModelRunner:
         # One table per KV cache group (the first group's from `block_ids`); every group's tables are equally long.
         block_tables = [np.zeros((len(ordered), max_blocks), dtype=np.int64) for _ in range(self.num_kv_groups)]
         for i, r in enumerate(ordered):
-            block_tables[0][i, :len(r.block_ids)] = r.block_ids
-            for table, group_ids in zip(block_tables[1:], r.group_block_ids):
+            for table, group_ids in zip(block_tables, r.block_tables):
                 table[i, :len(group_ids)] = group_ids
         slot_mappings = [table[req_index, positions // bs] * bs + positions % bs for table in block_tables]
         input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64, count=num_tokens)
@@ -222,7 +221,7 @@ class ModelRunner:
         assert backend is not None, "load_model() picks the attention backend"
         context_lens = np.array([r.num_computed_tokens for r in prefills])
         layouts = [PrefillLayout(starts[n:], query_lens[n:], context_lens, table[n:],
-                                 [r.block_ids if g == 0 else r.group_block_ids[g - 1] for r in prefills])
+                                 [r.block_tables[g] for r in prefills])
                    for g, table in enumerate(block_tables)]
         prefill = [backend.stage_prefills(staged, layout) for layout in layouts]
         if taken:
