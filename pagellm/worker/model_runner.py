@@ -184,7 +184,7 @@ class ModelRunner:
         offsets = np.arange(num_tokens) - starts[req_index]
         positions = np.array([r.num_computed_tokens for r in ordered], dtype=np.int64)[req_index] + offsets
         max_blocks = max(len(r.block_ids) for r in ordered)
-        # One table per KV cache group (the first group's from `block_ids`); every group's tables are equally long.
+        # One table per KV cache group; every group's tables are equally long.
         block_tables = [np.zeros((len(ordered), max_blocks), dtype=np.int64) for _ in range(self.num_kv_groups)]
         for i, r in enumerate(ordered):
             for table, group_ids in zip(block_tables, r.block_tables):
