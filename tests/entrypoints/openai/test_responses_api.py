@@ -2,17 +2,21 @@
 random-weight Llama, SmolLM2's chat template). Greedy responses equal the same conversation through
 /v1/chat/completions (text, tool calls, finish and token counts), streamed or not; input token counts equal the
 chat template's, rendered by transformers; stored responses continue, are retrieved and deleted; bad requests are
-400s naming the field. Reasoning items (--reasoning-parser qwen3, over the shared tiny random Qwen3 with `<think>`
-tokens) equal the chat completion's reasoning_content, and the serving layer's mapping of a chat message with both
-reasoning and content, whole and streamed, is checked on its own."""
+400s naming the field. Reasoning items (--reasoning-parser qwen3, over the tiny random Qwen3 with `<think>` tokens,
+its `</think>` embedding set so that it closes its reasoning after three greedy tokens of its own) equal the chat
+completion's reasoning_content, a text.format json_schema holds the message after them (jsonschema), and the
+serving layer's mapping of a chat message with both reasoning and content, whole and streamed, is checked on its
+own."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
 from pagellm.entrypoints.openai.errors import OpenAIServingError
 from pagellm.entrypoints.openai.protocol_responses import ChatMessage
@@ -308,12 +312,53 @@ THINKING_TEMPLATE = (r"{%- for message in messages %}{{- '<|im_start|>' + messag
                      r"{{- '<|im_start|>assistant\n<think>\n' }}{%- endif %}")
 
 
+REASONING_TOKENS = 3  # the greedy tokens the closing model reasons with before </think>
+
+
+def greedy_after_user(thinking_dir, num_tokens: int) -> tuple[list[int], list[int]]:
+    """transformers' prompt ids for USER under THINKING_TEMPLATE, and its greedy tokens after them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(thinking_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(thinking_dir), dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": USER}], chat_template=THINKING_TEMPLATE,
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    output: list[int] = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            output.append(int(model(torch.tensor([prompt + output])).logits[0, -1].argmax()))
+    return prompt, output
+
+
 @pytest.fixture(scope="module")
-def reasoning_client(qwen3_thinking_dir, start_server, tmp_path_factory):
+def closing_thinking_dir(qwen3_thinking_dir, tmp_path_factory):
+    """The tiny Qwen3 whose greedy output after USER is REASONING_TOKENS tokens of its own, then </think> (a random
+    model never writes it): the </think> row of its embedding (tied to the output head) is the final hidden state
+    of the position that predicts the next token, made orthogonal to those of the positions before (where its logit
+    is then 0, below their argmax) and scaled past every other logit there. No other weight changes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("qwen3-closing") / "model"
+    shutil.copytree(qwen3_thinking_dir, path)
+    prompt, reasoning = greedy_after_user(path, REASONING_TOKENS)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    end = AutoTokenizer.from_pretrained(str(path)).convert_tokens_to_ids("</think>")
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt + reasoning])).last_hidden_state[0, -REASONING_TOKENS - 1:]
+        basis, _ = torch.linalg.qr(hidden[:-1].T)
+        row = hidden[-1] - basis @ (basis.T @ hidden[-1])
+        top = model.lm_head(hidden[-1]).abs().max()
+        model.get_input_embeddings().weight[end] = row * (2 * top + 10) / (row @ hidden[-1])
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reasoning_client(closing_thinking_dir, start_server, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
-    for server in start_server(qwen3_thinking_dir, "--chat-template", str(template), "--reasoning-parser", "qwen3",
-                               "--max-num-seqs", "4"):
+    for server in start_server(closing_thinking_dir, "--chat-template", str(template), "--reasoning-parser",
+                               "qwen3", "--max-num-seqs", "4"):
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
@@ -322,7 +367,7 @@ def test_reasoning_is_a_reasoning_item_streamed_or_not(reasoning_client):
     chat = reasoning_client.chat.completions.create(**greedy(messages=[{"role": "user", "content": USER}],
                                                              max_completion_tokens=8))
     message = chat.choices[0].message
-    assert message.model_extra["reasoning_content"]  # random weights rarely close </think> within 8 tokens
+    assert message.model_extra["reasoning_content"] and message.content
     reasoning = [item for item in response.output if item.type == "reasoning"]
     assert [item.type for item in response.output[:1]] == ["reasoning"] and len(reasoning) == 1
     assert reasoning[0].content[0].text == message.model_extra["reasoning_content"]
@@ -360,3 +405,28 @@ def test_reasoning_becomes_a_reasoning_item_before_the_message(finish):
     assert [json.loads(event.split("data: ", 1)[1])["sequence_number"] for event in sent] == list(range(len(sent)))
     assert [item.model_dump(exclude={"id"}) for item in events.output] == \
         [item.model_dump(exclude={"id"}) for item in items]
+
+
+def test_a_json_schema_holds_the_message_after_free_reasoning(reasoning_client, closing_thinking_dir):
+    """text.format json_schema with a reasoning parser: the reasoning item is transformers' unconstrained greedy
+    reasoning (nothing masked it, </think> included), and the message after it validates against the schema
+    (jsonschema), whole and streamed alike."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(closing_thinking_dir))
+    _, tokens = greedy_after_user(closing_thinking_dir, REASONING_TOKENS + 1)
+    assert tokens[-1] == tokenizer.convert_tokens_to_ids("</think>")
+    reasoning = tokenizer.decode(tokens[:-1])
+    assert not reasoning.lstrip().startswith('"')  # the schema's grammar would have refused its first token
+    # A string enum: an object's free whitespace would let the random model write it forever.
+    text = {"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}
+    response = reasoning_client.responses.create(**greedy(input=USER, max_output_tokens=48, text=text))
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == reasoning
+    jsonschema.validate(json.loads(response.output_text), CITY)
+    assert response.status == "completed" and response.text.format.type == "json_schema"
+    events = stream_events(reasoning_client, input=USER, max_output_tokens=48, text=text)
+    assert_well_formed(events)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert events[-1].type == "response.completed"
