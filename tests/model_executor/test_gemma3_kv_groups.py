@@ -7,9 +7,10 @@ file.
 Kept within a minute or two on two cores: the engine loads the file's matrices as float32 (as transformers does; the
 packed Q4_K path has its own tests in test_gemma3.py) and prefills in 1,024-token chunks; transformers runs the same
 8,000 tokens through its own chunked prefill (a sliding-window cache for the local layers, so their attention reads
-the window, not the whole conversation) and computes logits only at the generated positions. One transformers
-forward pass over all 8,000 tokens gives the same logprobs to within ~1e-4 (chunking changes only the order of
-float32 sums) and takes minutes.
+the window, not the whole conversation) and computes logits only at the generated positions. Measured: within
+1.2e-7 of transformers. One transformers forward pass over all 8,000 tokens instead takes minutes; chunking changes
+only the order of float32 sums (~4e-5 apart from one pass, measured at 1,500 tokens), hence the 1e-4 tolerance.
+About 130 CPU-seconds in all (a minute on an idle two-core host; several when other work shares it).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_8000_token_conversation_in_a_third_of_the_full_attention_pool(gemma3_gg
     assert len(prompt) + len(tokens) == NUM_TOKENS
     expected = transformers_logprobs(gemma3_reference, prompt + tokens, NEW_TOKENS + 1)[:-1]
     ours = torch.tensor([entry[t].logprob for entry, t in zip(output.outputs[0].logprobs, tokens)])
-    torch.testing.assert_close(ours, expected.gather(1, torch.tensor(tokens)[:, None])[:, 0], rtol=0, atol=1e-3)
+    torch.testing.assert_close(ours, expected.gather(1, torch.tensor(tokens)[:, None])[:, 0], rtol=0, atol=1e-4)
     assert tokens == expected.argmax(-1).tolist(), "greedy: transformers' most likely token at every step"
     model = core.executor.collective_rpc("__getattribute__", "model_runner")[0].model
     assert isinstance(model.fused_decoder(), FusedDecoder), "the decode steps ran the fused C step, per group"
