@@ -6,7 +6,7 @@ from planning such a step to planning the next one of the same request is that s
 around the forward pass included. Each draft length k keeps an exponential moving average of its steps' times; a
 length seen `MIN_SAMPLES` times costs its measured t_k / t_0, and the others the prior's extra cost
 (`prior_cost(k) - 1`) scaled by the mean of the measured (t_k / t_0 - 1) / (prior_cost(k) - 1) over the lengths
-seen (the matmul kernels take rows four at a time, so the true curve has steps the prior smooths over). Until
+seen (the prior has the kernels' steps: rows go four at a time, so a 5th row costs far more than a 4th). Until
 plain and verify steps have both been seen `MIN_SAMPLES` times the prior holds as it is; a gap over `OUTLIER`
 times the estimate (the engine idled between requests) is no step time.
 """
@@ -18,14 +18,22 @@ from collections.abc import Callable
 from pagellm.core.sched.output import ScheduledRequest
 
 EMA_WEIGHT = 0.1
+ROWS_PER_PASS, SMALL_M_ROWS = 4, 8  # kernels/linear_cpu.c: FUSED_MAX_M, PACKED_FUSED_MAX_ROWS
 MIN_SAMPLES = 3
 OUTLIER = 10.0
 
 
 def prior_cost(k: int) -> float:
-    """A verify step with k drafts in decode steps at batch 1 on the CPU's one-call decode step (measured
-    2026-11-27 on the default model, 2 threads, a quiet AMD EPYC: k = 1, 2, 4, 8 cost 1.33, 1.79, 3.47, 7.49)."""
-    return 1.0 + 0.33 * k + 0.06 * k * k
+    """A verify step with k drafts in decode steps at batch 1 on the CPU's one-call decode step: the small-M matmul
+    kernels take the 1 + k rows four at a time, decoding the weights once per pass (0.66 of a plain step) and paying
+    each row's arithmetic (0.33); past 8 rows the tile path costs about 0.88 a row. Measured 2026-11-27 on the
+    default model, 2 threads, AMD EPYC with the AVX-512 small-M kernels, medians over the editing answers of
+    `pagellm bench spec`: k = 1, 2, 3, 4, 7, 8 cost 1.38, 1.65, 1.98, 2.97, 3.75, 7.9 (the 5th row starts a second
+    pass)."""
+    rows = k + 1
+    if rows > SMALL_M_ROWS:
+        return 0.88 * rows
+    return 0.01 + 0.66 * -(-rows // ROWS_PER_PASS) + 0.33 * rows
 
 
 class VerifyCosts:
