@@ -11,6 +11,8 @@ import pytest
 
 API_KEY = "test-key"
 FUZZ_MAX_MODEL_LEN = 48
+# /score and /rerank on a causal model wrap each pair in Qwen3-Reranker's prompt, 84 tokens before the texts.
+SCORING_FUZZ_MAX_MODEL_LEN = 256
 FUZZ_SERVER_HEADROOM_BYTES = 4 << 30
 
 
@@ -37,6 +39,16 @@ def fuzz_server(model_dir, start_server):
     without bounds allocate per sample (n=100000 asked for 19.6 GB, n=2**31-1 grew a Python list until memory ran
     out), and on a shared test machine that must fail inside the server rather than exhaust the machine's memory."""
     for server in start_server(model_dir, "--api-key", API_KEY, "--max-model-len", str(FUZZ_MAX_MODEL_LEN),
+                               "--max-num-seqs", "16"):
+        _cap_address_space(server.process.pid, FUZZ_SERVER_HEADROOM_BYTES)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def scoring_fuzz_server(model_dir, start_server):
+    """The fuzz server for /score and /rerank, whose prompts do not fit the 48-token context (so that the fuzzers
+    reach their success path too): a context of SCORING_FUZZ_MAX_MODEL_LEN tokens; the same key, cap and limits."""
+    for server in start_server(model_dir, "--api-key", API_KEY, "--max-model-len", str(SCORING_FUZZ_MAX_MODEL_LEN),
                                "--max-num-seqs", "16"):
         _cap_address_space(server.process.pid, FUZZ_SERVER_HEADROOM_BYTES)
         yield server

@@ -8,7 +8,8 @@ n > 1) and replaces one to three of its fields with an extreme or ill-typed valu
 lone surrogates, token ids outside the 49152-token vocabulary, odd message roles and contents, wrong types.
 
 Every request must be answered in time with a 200 or an error body (400, 404 or 413; OpenAI's shape, Anthropic's
-on /v1/messages), never a 5xx; a
+on /v1/messages), never a 5xx; /score and /rerank go to a server with a longer context (their prompts do not fit the
+48-token one) and must also score some requests (MIN_SCORED); a
 body holding a non-finite number must be refused with 400 (RFC 8259 JSON has none, and no field has a use for
 one). Before and after the fuzzing, a fixed greedy request returns the same text, /health answers 200 and
 /metrics drains to no running or waiting request and no KV block held: a value that kills the engine thread, or
@@ -39,6 +40,7 @@ EXAMPLES_PER_PROMPT_ENDPOINT = 150  # the endpoints that only read a prompt (poo
 REQUEST_TIMEOUT_S = 20  # the slowest legitimate request here takes a few seconds; past this it is a hang
 DRAIN_TIMEOUT_S = 15
 MIN_MUTATIONS_PER_FIELD = 3
+MIN_SCORED = 5  # requests of each scoring endpoint answered 200 (10 and 12 of 150 now)
 ERROR_STATUSES = {400, 404, 413}  # bad value, unknown model, body over the server's limit
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 
@@ -576,6 +578,14 @@ def http(fuzz_server):
 
 
 @pytest.fixture(scope="module")
+def scoring_http(scoring_fuzz_server):
+    with httpx.Client(base_url=scoring_fuzz_server.url,
+                      headers={"Authorization": f"Bearer {scoring_fuzz_server.api_key}"},
+                      timeout=REQUEST_TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
 def greedy_text(http) -> str:
     """The fixed greedy request's text on the fresh server (computed on first use, before any fuzzing)."""
     response = http.post("/v1/completions", json=GREEDY)
@@ -624,13 +634,25 @@ def test_server_is_sound_before_fuzzing(fuzz_server, http, greedy_text):
      fuzzed_fields(AnthropicMessagesRequest, MESSAGES_FIELDS)),
     ("/v1/responses", ResponsesRequest, RESPONSES_BASES, fuzzed_fields(ResponsesRequest, RESPONSES_FIELDS)),
     ("/v1/embeddings", EmbeddingRequest, EMBEDDING_BASES, fuzzed_fields(EmbeddingRequest, EMBEDDING_FIELDS)),
-    ("/score", ScoreRequest, SCORE_BASES, fuzzed_fields(ScoreRequest, SCORE_FIELDS)),
-    ("/rerank", RerankRequest, RERANK_BASES, fuzzed_fields(RerankRequest, RERANK_FIELDS)),
     ("/tokenize", TokenizeChatRequest, TOKENIZE_CHAT_BASES,
      fuzzed_fields(TokenizeChatRequest, TOKENIZE_CHAT_FIELDS)),
-], ids=["completions", "chat", "messages", "responses", "embeddings", "score", "rerank", "tokenize-chat"])
+], ids=["completions", "chat", "messages", "responses", "embeddings", "tokenize-chat"])
 def test_extreme_values_get_a_200_or_a_400(fuzz_server, http, greedy_text, path, model, bases, fields):
     mutated, statuses = fuzz(fuzz_server, http, path, model, bases, fields)
+    check_coverage(path, fields, mutated, statuses)
+
+
+@pytest.mark.parametrize("path, model, bases, fields", [
+    ("/score", ScoreRequest, SCORE_BASES, fuzzed_fields(ScoreRequest, SCORE_FIELDS)),
+    ("/rerank", RerankRequest, RERANK_BASES, fuzzed_fields(RerankRequest, RERANK_FIELDS)),
+], ids=["score", "rerank"])
+def test_extreme_scoring_values_get_a_200_or_a_400(scoring_fuzz_server, scoring_http, path, model, bases, fields):
+    mutated, statuses = fuzz(scoring_fuzz_server, scoring_http, path, model, bases, fields)
+    check_coverage(path, fields, mutated, statuses)
+    assert statuses[200] >= MIN_SCORED, f"only {statuses[200]} requests reached a score"
+
+
+def check_coverage(path: str, fields: dict, mutated: Counter, statuses: Counter) -> None:
     print(f"{path}: {sum(statuses.values())} requests, by status {dict(statuses)}; "
           f"{len(fields)} fields, each mutated {min(mutated.values())}-{max(mutated.values())} times")
     # A test of the test: every field met its extremes a few times (the draws are derandomized, so this is fixed).
@@ -640,3 +662,8 @@ def test_extreme_values_get_a_200_or_a_400(fuzz_server, http, greedy_text, path,
 
 def test_server_is_sound_after_fuzzing(fuzz_server, http, greedy_text):
     assert_sound(fuzz_server, http, greedy_text)
+
+
+def test_scoring_server_is_sound_after_fuzzing(scoring_fuzz_server, scoring_http, greedy_text):
+    """The same weights and greedy request: the same text as on the other server."""
+    assert_sound(scoring_fuzz_server, scoring_http, greedy_text)
