@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import itertools
 import json
 import math
@@ -29,17 +28,41 @@ from pagellm.config import SpeculativeConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import SamplingParams
-from pagellm.spec_decode import ngram_proposer
 
 _request_ids = itertools.count()
 BENCH_METHODS = ("ngram", "suffix")  # the model-free drafters
 KV_BYTES = 512 << 20  # each engine's KV pool unless --kv-cache-memory says otherwise: one 8k-token request fits
+# The editing prompts' code: pagellm's prompt lookup drafter as it was on 2026-11-27, kept verbatim so that the
+# workload stays the same as the drafter changes.
+EDITING_SOURCE = """\
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self.k = config.num_speculative_tokens
+
+    def propose(self, token_ids: list[int] | np.ndarray, max_tokens: int | None = None) -> list[int]:
+        \"\"\"Up to min(k, max_tokens) draft tokens to follow `token_ids` (prompt and output so far); [] when no
+        suffix n-gram recurs.\"\"\"
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        if k <= 0 or len(tokens) < self.min_n + 1:
+            return []
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # Windows starting before the suffix itself, so that at least one token follows each match.
+            windows = sliding_window_view(tokens[:-1], n)
+            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(matches):
+                start = int(matches[-1]) + n
+                return tokens[start:start + k].tolist()
+        return []
+"""
 CHAT_QUESTIONS = ("Explain in a few paragraphs how a bicycle stays upright.",
                   "Write a short story about a lighthouse keeper who finds a message in a bottle.")
 
 
 def editing_prompts() -> list[str]:
-    source = inspect.getsource(ngram_proposer.NgramProposer)
+    source = EDITING_SOURCE
     return [f"Here is a Python class:\n\n```python\n{source}```\n\nRewrite it with `min_n` renamed to `shortest`. "
             f"Reply with the whole class in a code block and nothing else.",
             f"Here is a Python class:\n\n```python\n{source}```\n\nRepeat the class exactly, adding a one-line "

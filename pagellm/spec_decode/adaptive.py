@@ -10,10 +10,11 @@ so that it follows a request moving between copying its prompt and writing new t
 drafting waits `PROBE_WAIT` decode steps, then verifies a one-token probe; each probe that leaves it off doubles the
 wait (up to `MAX_PROBE_WAIT`), so text that never repeats costs a one-token verify every 64 steps at most.
 
-With the `suffix` method a request keeps one such rate (and probe wait) per class of draft, by the length of the
-match it came from (`MATCH_CLASSES`): a draft after a long match is copied text far more often (on pagellm bench
-spec's editing answers, 97% of tokens after a match of 16 or more, 50-80% after one of 1-3), so long matches draft
-long while short ones stay short or off. Prompt lookup's drafts are one class.
+A request keeps one such rate (and probe wait) per class of draft, by the length of the match it came from
+(`MATCH_CLASSES`; prompt lookup's n-gram, 1-4 tokens by default, or suffix decoding's match, up to 24): a draft after
+a long match is copied text far more often (on pagellm bench spec's answers the first token after a match of 16 or
+more was kept 97% of the time, after one of 1-3 tokens 22-79%), so long matches draft long while short ones stay
+short or off. A draft model's drafts are one class.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from pagellm.spec_decode.suffix_proposer import SuffixProposer
 DECAY = 0.75
 PRIOR_ACCEPTED, PRIOR_TRIALS = 3.0, 3.75  # a new request starts at r = 0.8, worth about three verify steps
 PROBE_WAIT, MAX_PROBE_WAIT = 4, 64
-MATCH_CLASSES = (2, 4, 8, 16)  # suffix drafts' classes: match lengths below 2, 2-3, 4-7, 8-15, 16 and more
+MATCH_CLASSES = (2, 4, 8, 16)  # drafts' classes by match length: below 2, 2-3, 4-7, 8-15, 16 and more
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -79,7 +80,7 @@ class AdaptiveDrafter:
         self.proposer: SuffixProposer | NgramProposer | DraftModelSlots = (
             SuffixProposer(config) if config.method == "suffix"
             else DraftModelSlots(config) if config.method == "draft_model" else NgramProposer(config))
-        self.num_classes = len(MATCH_CLASSES) + 1 if config.method == "suffix" else 1
+        self.num_classes = 1 if config.method == "draft_model" else len(MATCH_CLASSES) + 1
         self.max_k = config.num_speculative_tokens
         self.costs = costs or VerifyCosts()
         self.states: weakref.WeakKeyDictionary[Request, RequestDrafts] = weakref.WeakKeyDictionary()
@@ -114,6 +115,8 @@ class AdaptiveDrafter:
         if isinstance(self.proposer, SuffixProposer):
             draft = self.proposer.draft(request, max_tokens)
             return draft.token_ids, draft.match_len
+        if isinstance(self.proposer, NgramProposer):
+            return self.proposer.draft(request.all_token_ids, max_tokens)
         return self.proposer.propose(request.all_token_ids, max_tokens), 0
 
     def step_planned(self, scheduled: list[ScheduledRequest]) -> None:

@@ -18,15 +18,19 @@ class NgramProposer:
     def propose(self, token_ids: list[int] | np.ndarray, max_tokens: int | None = None) -> list[int]:
         """Up to min(k, max_tokens) draft tokens to follow `token_ids` (prompt and output so far); [] when no
         suffix n-gram recurs."""
+        return self.draft(token_ids, max_tokens)[0]
+
+    def draft(self, token_ids: list[int] | np.ndarray, max_tokens: int | None = None) -> tuple[list[int], int]:
+        """The draft and the length n of the n-gram it follows (0 with no draft)."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         tokens = np.asarray(token_ids, dtype=np.int64)
         if k <= 0 or len(tokens) < self.min_n + 1:
-            return []
+            return [], 0
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             # Windows starting before the suffix itself, so that at least one token follows each match.
             windows = sliding_window_view(tokens[:-1], n)
             matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(matches):
                 start = int(matches[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+                return tokens[start:start + k].tolist(), n
+        return [], 0

@@ -37,3 +37,10 @@ def test_no_match_no_draft():
 def test_config_refuses_bad_values(bad):
     with pytest.raises(ValueError, match="speculative_config"):
         SpeculativeConfig.from_dict(bad)
+
+
+def test_draft_names_the_length_of_the_ngram_it_follows():
+    tokens = [0, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert proposer().draft(tokens) == ([7, 8, 5], 3)
+    assert proposer(hi=2).draft(tokens) == ([7, 8, 5], 2)
+    assert proposer().draft([1, 2, 3, 4]) == ([], 0)
