@@ -12,7 +12,8 @@ takes; the online model of a step's time (step_time.py) sets that. By what inter
 - None runs or waits, but one did within IDLE_WINDOW_S: background steps are short, predicted to take at most
   1 + GAP_EXTRA times a step of one row, so that a request arriving meanwhile waits little. Up to GAP_PROMPT_SHARE
   of that room goes to prompt chunks, the rest to decode rows; at least one row and MIN_PROMPT_TOKENS prompt tokens
-  run, so the batch always moves.
+  run, so the batch always moves. One such step in PROBE_EVERY takes a row more: steps that all have one row cannot
+  tell the model a step's fixed cost from a row's (it then charges it all per row, and would never allow two).
 - None for IDLE_WINDOW_S: full speed, the static limits (max_num_seqs, max_num_batched_tokens); the first
   interactive request after such a quiet spell waits for one such step.
 
@@ -35,6 +36,7 @@ GAP_EXTRA = 0.25  # in a gap of interactive traffic, a background step's time ov
 GAP_PROMPT_SHARE = 0.5  # of that extra room, kept for prompt chunks while background prompts wait
 RIDE_SHARE = 0.05  # what background rows may add to the time of an interactive step, at most
 MIN_PROMPT_TOKENS = 2  # prompt tokens a background step may always take (in a gap)
+PROBE_EVERY = 16  # gap steps per step with a row more than the model allows
 MAX_ROWS = 8  # background rows a step, at most, within the window
 MAX_PROMPT_TOKENS = 16  # background prompt tokens a step, at most, within the window
 
@@ -51,6 +53,7 @@ class BackgroundShare:
         self.max_rows = max_rows
         self.clock = clock
         self.last_interactive = -math.inf  # when an interactive request last ran or waited
+        self.num_gap_steps = 0
 
     def is_background(self, request: Request) -> bool:
         return request.priority >= self.priority
@@ -71,6 +74,10 @@ class BackgroundShare:
             return rows, MAX_PROMPT_TOKENS
         num_waiting = min(sum(1 for r in waiting if self.is_background(r)), self.max_rows)
         model_rows, model_tokens = self._within_model(foreground, background, num_waiting)
+        if not foreground:
+            self.num_gap_steps += 1
+            if self.num_gap_steps % PROBE_EVERY == 0:
+                model_rows += 1
         return min(rows, model_rows), min(MAX_PROMPT_TOKENS, model_tokens)
 
     def _within_model(self, foreground: list[Row], background: list[Row], num_waiting: int) -> tuple[int, int]:
