@@ -8,9 +8,10 @@ token, the latest occurrence breaking ties; the occurrences then narrow to those
 the chosen tokens' frequencies stays >= `suffix_decoding_min_token_prob`, for at most
 `suffix_decoding_max_spec_factor` * n tokens (and the drafter's length, see adaptive.py). Its score is the sum of those
 products, the expected number of accepted tokens if the frequencies held; the draft with the highest score wins
-(ties: the longer match), the request's own sequence winning ties against the cache. Only match lengths where the
-set of occurrences shrinks need a walk, so a step costs a vectorised scan of the sequence for its last token and a
-few small NumPy operations: no tree is kept.
+(ties: the longer match), the request's own sequence winning ties against the cache. The occurrences of the last n
+tokens change only at the match lengths the occurrences of the last token reach, and a shorter match is walked only
+if its cap could beat the best score, so a step costs a vectorised scan of the sequence for its last token and a few
+small NumPy operations: no tree is kept.
 
 The cache holds the outputs of the last `suffix_decoding_max_cached_requests` finished requests (0: none; the oldest
 leaves first), indexed by token pairs, so its matches are at least two tokens long.
@@ -27,6 +28,7 @@ from pagellm.config import SpeculativeConfig
 from pagellm.core.request import Request
 
 SEP = -1  # between cached outputs and around a sequence: no token equals it, so no match crosses it
+DENSE_ROWS = 64  # up to this many occurrences, NumPy's per-call cost outweighs its per-element speed
 
 
 @dataclass
@@ -47,9 +49,19 @@ def best_draft(corpus: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max_to
     if not len(ends):
         return SuffixDraft()
     # Each occurrence's match length: how many of the pattern's last tokens it ends (SEP stops it; index 0 is SEP).
-    back = np.maximum(ends[:, None] - np.arange(len(pattern)), 0)
-    equal = corpus[back] == pattern[::-1]
-    lengths = np.where(equal.all(axis=1), len(pattern), equal.argmin(axis=1))
+    # Many occurrences (a common token) are narrowed one token at a time, the last few compared all at once.
+    lengths = np.zeros(len(ends), dtype=np.int64)
+    alive = np.arange(len(ends))
+    n = 1
+    while len(alive) > DENSE_ROWS and n < len(pattern):
+        same = corpus[ends[alive] - n] == pattern[-n - 1]
+        lengths[alive[~same]] = n
+        alive, n = alive[same], n + 1
+    lengths[alive] = n
+    if n < len(pattern):
+        back = np.maximum(ends[alive, None] - np.arange(n, len(pattern)), 0)
+        equal = corpus[back] == pattern[::-1][n:]
+        lengths[alive] += np.where(equal.all(axis=1), len(pattern) - n, equal.argmin(axis=1))
     best = SuffixDraft()
     # The occurrences of the last n tokens change only at these lengths; from the longest match down, a shorter one
     # is walked only if its cap could beat the best score (each token adds at most 1; ties go to the longer match).
@@ -66,13 +78,19 @@ def best_draft(corpus: np.ndarray, ends: np.ndarray, pattern: np.ndarray, max_to
 
 def _most_frequent(followers: np.ndarray, ends: np.ndarray) -> tuple[int, int]:
     """The most frequent follower and its count, the one whose latest occurrence is latest on a tie."""
-    counts: dict[int, int] = {}
-    latest: dict[int, int] = {}
+    if len(followers) > DENSE_ROWS:
+        values, inverse, counts = np.unique(followers, return_inverse=True, return_counts=True)
+        latest = np.full(len(values), -1, dtype=np.int64)
+        np.maximum.at(latest, inverse.reshape(-1), ends)
+        choice = int(np.argmax(np.where(counts == counts.max(), latest, -1)))
+        return int(values[choice]), int(counts[choice])
+    seen: dict[int, int] = {}
+    last: dict[int, int] = {}
     for token, end in zip(followers.tolist(), ends.tolist()):
-        counts[token] = counts.get(token, 0) + 1
-        latest[token] = end  # ends ascend
-    token = max(counts, key=lambda t: (counts[t], latest[t]))
-    return token, counts[token]
+        seen[token] = seen.get(token, 0) + 1
+        last[token] = end  # ends ascend
+    token = max(seen, key=lambda t: (seen[t], last[t]))
+    return token, seen[token]
 
 
 def _walk(corpus: np.ndarray, ends: np.ndarray, cap: int, min_token_prob: float) -> SuffixDraft:

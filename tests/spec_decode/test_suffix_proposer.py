@@ -88,6 +88,15 @@ def test_the_most_frequent_continuation_of_the_longest_useful_match():
     assert proposer(k=3, factor=2.0, min_prob=0.6).draft(FakeRequest(sequence)).token_ids == [3]
 
 
+@pytest.mark.parametrize("pairs", [(2, 3), (3, 2)])
+def test_a_tie_goes_to_the_token_seen_last(pairs):
+    # 1 is followed 40 times by each of two tokens (more than the proposer counts in Python): the later block wins.
+    first, last = pairs
+    sequence = [1, first] * 40 + [1, last] * 40 + [4, 1]
+    draft = proposer(k=1, min_prob=0.5).draft(FakeRequest(sequence))
+    assert (draft.token_ids, draft.probs, draft.match_len) == ([last], [0.5], 1)
+
+
 def test_a_match_of_n_tokens_drafts_at_most_factor_times_n():
     sequence = [4, 5, 6, 7, 8, 9, 1, 2, 3, 0, 4, 5]  # the longest match is [4, 5]: two tokens
     assert proposer(k=8).draft(FakeRequest(sequence)).token_ids == [6, 7]
@@ -96,20 +105,23 @@ def test_a_match_of_n_tokens_drafts_at_most_factor_times_n():
     assert proposer(k=3, factor=2.0).draft(FakeRequest(sequence), max_tokens=2).token_ids == [6, 7]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_drafts_match_the_brute_force_reference(seed):
+@pytest.mark.parametrize("seed, trials, longest, deepest", [(seed, 60, 40, 10) for seed in range(6)]
+                         + [(6, 30, 400, 3)])
+def test_drafts_match_the_brute_force_reference(seed, trials, longest, deepest):
+    """Short sequences, and long ones matched shallowly, whose matches recur more than 64 times (the proposer's
+    NumPy path)."""
     rng = random.Random(seed)
-    for _ in range(60):
+    for _ in range(trials):
         vocab = rng.randint(2, 6)
-        k, depth = rng.randint(1, 8), rng.randint(1, 10)
+        k, depth = rng.randint(1, 8), rng.randint(1, deepest)
         factor, min_prob = rng.choice([0.5, 1.0, 1.5, 3.0]), rng.choice([0.0, 0.1, 0.3, 0.6])
         p = proposer(k=k, depth=depth, factor=factor, min_prob=min_prob, cached=3)
         cache = []
         for _ in range(rng.randint(0, 5)):  # finished requests: the last three outputs stay cached
-            output = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+            output = [rng.randrange(vocab) for _ in range(rng.randint(1, longest // 2))]
             p.cache.add(output)
             cache = (cache + [output])[-3:]
-        sequence = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        sequence = [rng.randrange(vocab) for _ in range(rng.randint(1, longest))]
         request = FakeRequest(sequence[:len(sequence) // 2])
         p.draft(request)  # then the rest arrives: the request's array grows
         request.all_token_ids = sequence
