@@ -13,7 +13,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.config import SpeculativeConfig
 from pagellm.core.request import RequestStatus
-from pagellm.spec_decode import adaptive
+from pagellm.spec_decode import adaptive, suffix_proposer
 from pagellm.spec_decode.suffix_proposer import SuffixProposer
 
 
@@ -156,6 +156,15 @@ def test_finished_outputs_are_cached_up_to_the_bound_oldest_first():
     none = proposer(cached=0)
     none.cache.add([1, 2, 3])
     assert none.cache.outputs == [] and none.draft(FakeRequest([1, 2])).token_ids == []
+
+
+def test_the_cache_counts_a_pairs_latest_occurrences(monkeypatch):
+    monkeypatch.setattr(suffix_proposer, "CACHE_OCCURRENCES", 2)
+    p = proposer(k=1, factor=1.0, min_prob=0.0)
+    for follower in (7, 7, 8, 8, 9):  # (1, 2) followed by 7 twice, then 8 twice, then 9
+        p.cache.add([1, 2, follower])
+    draft = p.draft(FakeRequest([5, 1, 2]))
+    assert (draft.token_ids, draft.probs) == ([9], [0.5])  # the last two: 8 and 9, the tie to the later
 
 
 @pytest.mark.parametrize("field_name, value", [("suffix_decoding_max_tree_depth", 0),
