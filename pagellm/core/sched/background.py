@@ -81,6 +81,8 @@ class BackgroundShare:
         return min(rows, model_rows), min(MAX_PROMPT_TOKENS, model_tokens)
 
     def _within_model(self, foreground: list[Row], background: list[Row], num_waiting: int) -> tuple[int, int]:
+        """(rows, prompt tokens) for background work within the step time the model predicts: RIDE_SHARE over the
+        interactive rows' step, or in a gap 1 + GAP_EXTRA times a one-row step."""
         model = self.model
         assert model.coef is not None
         token_cost = float(model.coef[3])
