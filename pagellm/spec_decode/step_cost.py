@@ -8,7 +8,9 @@ length seen `MIN_SAMPLES` times costs its measured t_k / t_0, and the others the
 (`prior_cost(k) - 1`) scaled by the mean of the measured (t_k / t_0 - 1) / (prior_cost(k) - 1) over the lengths
 seen (the prior has the kernels' steps: rows go four at a time, so a 5th row costs far more than a 4th). Until
 plain and verify steps have both been seen `MIN_SAMPLES` times the prior holds as it is; a gap over `OUTLIER`
-times the estimate (the engine idled between requests) is no step time.
+times the estimate (the engine idled between requests) is no step time. A length not timed for `STALE_STEPS` lone
+steps counts as unmeasured, and starts its average afresh when next drafted: an average taken in a slow spell would
+otherwise keep a length that then looks too dear from ever being drafted, so timed, again.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pagellm.core.sched.output import ScheduledRequest
 EMA_WEIGHT = 0.1
 ROWS_PER_PASS, SMALL_M_ROWS = 4, 8  # kernels/linear_cpu.c: FUSED_MAX_M, PACKED_FUSED_MAX_ROWS
 MIN_SAMPLES = 3
+STALE_STEPS = 500
 OUTLIER = 10.0
 
 
@@ -43,12 +46,17 @@ class VerifyCosts:
         self.samples: dict[int, int] = {}
         self._first: dict[int, list[float]] = {}  # a length's first MIN_SAMPLES times, whose median starts its average
         self.scale = 1.0  # measured extra cost over the prior's
+        self.num_timed = 0  # lone steps timed so far
+        self.last_timed: dict[int, int] = {}  # draft length -> num_timed at its latest step
         self._timing: tuple[str, int, float] | None = None  # (request id, draft length, planned at)
 
     def __call__(self, k: int) -> float:
-        if self.samples.get(k, 0) >= MIN_SAMPLES and self.samples.get(0, 0) >= MIN_SAMPLES:
+        if self._measured(k) and self._measured(0):
             return self.seconds[k] / self.seconds[0]
         return 1.0 + self.scale * (prior_cost(k) - 1.0)
+
+    def _measured(self, k: int) -> bool:
+        return self.samples.get(k, 0) >= MIN_SAMPLES and self.num_timed - self.last_timed[k] <= STALE_STEPS
 
     def step_planned(self, scheduled: list[ScheduledRequest]) -> None:
         """A step was planned: it ends the timing of the previous one if the same lone request continues, and
@@ -64,10 +72,16 @@ class VerifyCosts:
             self._timing = (step.request_id, len(step.spec_token_ids), now)
 
     def _observe(self, k: int, seconds: float) -> None:
+        if k in self.last_timed and self.num_timed - self.last_timed[k] > STALE_STEPS:
+            self.seconds.pop(k, None)  # stale: measured afresh
+            self.samples[k] = 0
+            self._first.pop(k, None)
         estimate = self.seconds.get(k)
         if estimate is not None and seconds > OUTLIER * estimate:
             return
         self.samples[k] = self.samples.get(k, 0) + 1
+        self.num_timed += 1
+        self.last_timed[k] = self.num_timed
         if estimate is None:
             # The median of the first few: one slow first step (kernels built on first use) does not set the average
             # a length that is then never chosen again would keep.
@@ -78,9 +92,9 @@ class VerifyCosts:
             seconds = sorted(first)[len(first) // 2]
             del self._first[k]
         self.seconds[k] = seconds if estimate is None else estimate + EMA_WEIGHT * (seconds - estimate)
-        if self.samples.get(0, 0) < MIN_SAMPLES:
+        if not self._measured(0):
             return
         ratios = [(self.seconds[j] / self.seconds[0] - 1.0) / (prior_cost(j) - 1.0)
-                  for j in self.seconds if j > 0 and self.samples[j] >= MIN_SAMPLES]
+                  for j in self.seconds if j > 0 and self._measured(j)]
         if ratios:
             self.scale = max(0.0, sum(ratios) / len(ratios))

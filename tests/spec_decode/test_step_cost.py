@@ -7,7 +7,7 @@ import pytest
 from pagellm.config import SpeculativeConfig
 from pagellm.core.sched.output import ScheduledRequest
 from pagellm.spec_decode.adaptive import AdaptiveDrafter
-from pagellm.spec_decode.step_cost import MIN_SAMPLES, VerifyCosts, prior_cost
+from pagellm.spec_decode.step_cost import MIN_SAMPLES, STALE_STEPS, VerifyCosts, prior_cost
 
 
 class Clock:
@@ -98,3 +98,19 @@ def test_expensive_verify_steps_switch_drafting_off():
         if draft:
             drafter.observe(request, len(draft), len(draft))
     assert max(lengths) == 1 and sum(lengths) <= 4, "one-token probes only, further and further apart"
+
+
+def test_a_length_not_timed_for_long_is_measured_afresh():
+    """k = 3 timed in a slow spell (5x a plain step) and then never drafted: after STALE_STEPS lone steps it costs
+    the prior again (scaled by what was measured since), and its next steps set its cost anew."""
+    clock = Clock()
+    costs = VerifyCosts(clock)
+    run_steps(costs, clock, [(0, 0.01), (1, 0.012), (3, 0.05)] * (MIN_SAMPLES + 2))
+    assert costs(3) == pytest.approx(5.0)
+    clock.now += 0.01  # the plain step run_steps left planned
+    run_steps(costs, clock, [(0, 0.01), (1, 0.012)] * (STALE_STEPS // 2 + 1))
+    scale = (1.2 - 1) / (prior_cost(1) - 1)
+    assert costs(3) == pytest.approx(1 + scale * (prior_cost(3) - 1))
+    clock.now += 0.01
+    run_steps(costs, clock, [(0, 0.01), (3, 0.02)] * MIN_SAMPLES)
+    assert costs(3) == pytest.approx(2.0)
