@@ -187,7 +187,8 @@ class EngineArgs:
                                  "auto: pooling for an encoder-only model (BERT), else generate")
         parser.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
                             help='speculative decoding as JSON, vLLM\'s: {"method": "ngram", '
-                                 '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}')
+                                 '"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}; '
+                                 'methods ngram, suffix, draft_model (with "model": PATH)')
         parser.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config", type=_json_object,
                             default=EngineArgs.pooler_config,
                             help='embedding pooling as JSON, vLLM\'s PoolerConfig: {"pooling_type": "LAST" | "MEAN" '

@@ -24,7 +24,6 @@ from pagellm.core.sched.queues import RequestQueues
 from pagellm.core.sched.step_limits import StepLimiter, StepLimits
 from pagellm.core.sched.worker_view import WorkerView
 from pagellm.spec_decode.adaptive import AdaptiveDrafter
-from pagellm.spec_decode.draft_model import DraftModelSlots
 from pagellm.spec_decode.eligibility import may_speculate
 
 
@@ -55,8 +54,6 @@ class BatchPlanner:
         self.limiter = StepLimiter(config, self.policy)
         spec = config.speculative_config
         self.drafter = AdaptiveDrafter(spec) if spec is not None else None
-        if self.drafter is not None and spec.method == "draft_model":
-            self.drafter.proposer = DraftModelSlots(spec)  # the worker's draft model fills the slots
         # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
         # their part of the newest such batch: not preempted, nor scheduled again until their results are applied
         # (with async scheduling: unless they may continue without them).
