@@ -9,6 +9,7 @@ from scheduler_factories import TOKEN, make_request, make_scheduler
 
 from pagellm.core.sched.background import (
     GAP_EXTRA,
+    IDLE_PROMPT_TOKENS,
     IDLE_WINDOW_S,
     MAX_PROMPT_TOKENS,
     MAX_ROWS,
@@ -38,10 +39,11 @@ def seconds(law: tuple[float, ...], shape: StepShape) -> float:
     return float(np.dot(law, shape.features()))
 
 
-def scheduler(law: tuple[float, ...], learned: bool = True) -> tuple[Scheduler, Clock]:
+def scheduler(law: tuple[float, ...], learned: bool = True,
+              max_num_batched_tokens: int = 256) -> tuple[Scheduler, Clock]:
     """A priority scheduler on a test clock; `learned`: its step-time model already knows `law`."""
     sched = make_scheduler(scheduling_policy="priority", max_model_len=512, num_blocks=1024, max_num_seqs=16,
-                           max_num_batched_tokens=256)
+                           max_num_batched_tokens=max_num_batched_tokens)
     clock = Clock()
     limiter = sched.planner.limiter
     assert limiter.background is not None and limiter.model is not None
@@ -175,6 +177,21 @@ def test_in_a_gap_steps_stay_short_then_full_speed_once_idle_then_short_again():
     assert [s.request_id for s in run_step(sched, clock, CPU).scheduled] == ["chat1"]
     for _ in range(20):
         gap.check(run_step(sched, clock, CPU))
+
+
+def test_once_idle_background_prompt_chunks_stay_short_for_the_next_interactive_request():
+    """After the idle window the batch runs at max_num_seqs rows, but its prompt chunks never exceed
+    IDLE_PROMPT_TOKENS a step, however large the token budget: that step is what the next arrival waits for."""
+    sched, clock = scheduler(CPU, max_num_batched_tokens=2048)
+    add_background(sched, 40, prompt=300, max_tokens=4)
+    clock.now += IDLE_WINDOW_S
+    prompt_tokens = []
+    while sched.has_unfinished_requests():
+        out = run_step(sched, clock, CPU)
+        prompt_tokens.append(sum(s.num_tokens for s in out.scheduled if s.num_computed_tokens < 300))
+        assert len(out.scheduled) <= 16
+    assert max(prompt_tokens) == IDLE_PROMPT_TOKENS < 2048
+    assert all_blocks_free(sched)
 
 
 def test_background_work_finishes_in_gaps_of_interactive_traffic():

@@ -14,8 +14,9 @@ takes; the online model of a step's time (step_time.py) sets that. By what inter
   of that room goes to prompt chunks, the rest to decode rows; at least one row and MIN_PROMPT_TOKENS prompt tokens
   run, so the batch always moves. One such step in PROBE_EVERY takes a row more: steps that all have one row cannot
   tell the model a step's fixed cost from a row's (it then charges it all per row, and would never allow two).
-- None for IDLE_WINDOW_S: full speed, the static limits (max_num_seqs, max_num_batched_tokens); the first
-  interactive request after such a quiet spell waits for one such step.
+- None for IDLE_WINDOW_S: full speed (max_num_seqs), with prompt chunks of at most IDLE_PROMPT_TOKENS: the first
+  interactive request after such a quiet spell waits for one such step, and a 2,048-token chunk made that about
+  2 s on a 2-core CPU, while prefill per token is hardly cheaper in chunks larger than a few hundred tokens.
 
 Within the window background work never takes more than MAX_ROWS rows and MAX_PROMPT_TOKENS prompt tokens a
 step, whatever the model says (a fit thrown by a stalled step of a shared host once gave it 64 rows); until the
@@ -39,6 +40,7 @@ MIN_PROMPT_TOKENS = 2  # prompt tokens a background step may always take (in a g
 PROBE_EVERY = 16  # gap steps per step with a row more than the model allows
 MAX_ROWS = 8  # background rows a step, at most, within the window
 MAX_PROMPT_TOKENS = 16  # background prompt tokens a step, at most, within the window
+IDLE_PROMPT_TOKENS = 256  # background prompt tokens a step, at most, after the window
 
 Row = tuple[Request, int]  # a running request and the tokens it could compute this step
 
@@ -68,7 +70,7 @@ class BackgroundShare:
         if interactive_waits:
             return 0, 0
         if now - self.last_interactive >= IDLE_WINDOW_S:
-            return sys.maxsize, sys.maxsize
+            return sys.maxsize, IDLE_PROMPT_TOKENS
         rows = min(MAX_ROWS, max(1, len(foreground) // 2)) if foreground else MAX_ROWS
         if not self.model.ready:
             return rows, MAX_PROMPT_TOKENS
