@@ -85,6 +85,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    """The default model's Hugging Face tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Gemma 3 270M's Q4_K_M GGUF (the test extra installs its chunk packages), assembled under ~/.cache once."""
     try:

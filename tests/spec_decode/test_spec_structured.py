@@ -62,20 +62,13 @@ def fixed_draft_length(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+def backend(smollm2_tokenizer):
+    return GuidanceBackend(smollm2_tokenizer, VOCAB, frozenset({EOS}), disable_additional_properties=True)
 
 
 @pytest.fixture(scope="module")
-def backend(tokenizer):
-    return GuidanceBackend(tokenizer, VOCAB, frozenset({EOS}), disable_additional_properties=True)
-
-
-@pytest.fixture(scope="module")
-def reference_tokenizer(tokenizer):
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB, eos_token=EOS)
+def reference_tokenizer(smollm2_tokenizer):
+    return llguidance.hf.from_tokenizer(smollm2_tokenizer, n_vocab=VOCAB, eos_token=EOS)
 
 
 def reference_matcher(reference_tokenizer, grammar: str) -> llguidance.LLMatcher:
@@ -96,10 +89,10 @@ def unpacked(row: np.ndarray) -> np.ndarray:
 
 # ---- the grammar's draft rows and the draft's cut ---------------------------------------------------------------
 
-def test_draft_rows_are_the_grammar_after_each_prefix(backend, tokenizer, reference_tokenizer):
+def test_draft_rows_are_the_grammar_after_each_prefix(backend, smollm2_tokenizer, reference_tokenizer):
     params, grammar_text, _ = CASES["json"]
     grammar = backend.compile_grammar(params)
-    draft = tokenizer.encode(EXAMPLE[:20])
+    draft = smollm2_tokenizer.encode(EXAMPLE[:20])
     bitmask = np.zeros((len(draft) + 3, VOCAB // 32), dtype=np.int32)
     grammar.fill_draft_bitmask(bitmask, 1, draft)
     assert not bitmask[0].any() and not bitmask[-1].any()  # only its own rows are written
@@ -119,11 +112,11 @@ def test_draft_rows_are_the_grammar_after_each_prefix(backend, tokenizer, refere
         grammar.accept_tokens([wrong])
 
 
-def test_a_draft_past_the_grammar_s_end_leaves_it_able_to_go_on(backend, tokenizer):
+def test_a_draft_past_the_grammar_s_end_leaves_it_able_to_go_on(backend, smollm2_tokenizer):
     """llguidance takes EOS on a completed grammar without counting it as a token: the rows past the end repeat the
     end's row (EOS only), and the grammar still rolls back exactly."""
     grammar = backend.compile_grammar(StructuredOutputsParams(regex="(yes|no)"))
-    yes, no = tokenizer.encode("yes"), tokenizer.encode("no")
+    yes, no = smollm2_tokenizer.encode("yes"), smollm2_tokenizer.encode("no")
     assert grammar.validate_tokens(yes + [EOS, EOS]) == len(yes) + 1
     bitmask = np.zeros((len(yes) + 2, VOCAB // 32), dtype=np.int32)
     grammar.fill_draft_bitmask(bitmask, 0, yes + [EOS])
@@ -134,12 +127,12 @@ def test_a_draft_past_the_grammar_s_end_leaves_it_able_to_go_on(backend, tokeniz
     assert grammar.is_terminated()
 
 
-def test_the_draft_is_cut_to_what_the_grammar_allows(backend, tokenizer):
+def test_the_draft_is_cut_to_what_the_grammar_allows(backend, smollm2_tokenizer):
     structured = StructuredOutputRequest(StructuredOutputsParams(regex="(yes|no), (yes|no)\\."))
     structured.grammar = backend.compile_grammar(structured.params)
-    valid = tokenizer.encode("yes, no")
-    assert structured.draft_length([], valid + tokenizer.encode(", maybe")) == len(valid)
-    assert structured.draft_length([], tokenizer.encode("maybe")) == 0
+    valid = smollm2_tokenizer.encode("yes, no")
+    assert structured.draft_length([], valid + smollm2_tokenizer.encode(", maybe")) == len(valid)
+    assert structured.draft_length([], smollm2_tokenizer.encode("maybe")) == 0
     assert structured.draft_length([], valid[:1] + [-1] + valid[2:]) == 1  # a placeholder the worker fills
     # Inside reasoning nothing is checked, but the draft stops before the token that would close it.
     end = (50, 51)
@@ -160,7 +153,8 @@ class Manager(StructuredOutputManager):
         self._backend = LazyBackend(lambda: backend)
 
 
-def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backend, tokenizer, reference_tokenizer):
+def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backend, smollm2_tokenizer,
+                                                                           reference_tokenizer):
     regex = "(yes|no)(, (yes|no))*\\."
     manager = Manager(backend)
     sched = make_scheduler(structured_output_manager=manager, max_model_len=128,
@@ -169,13 +163,13 @@ def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backe
                                                          structured_outputs=StructuredOutputsParams(regex=regex)))
     sched.add_request(request)
     manager.wait_for_any([request.structured_output_request], 10)
-    yes, comma_no, dot = tokenizer.encode("yes"), tokenizer.encode(", no"), tokenizer.encode(".")
+    yes, comma_no, dot = (smollm2_tokenizer.encode(text) for text in ("yes", ", no", "."))
     worker = InputBatch()
     out = sched.schedule()
     worker.update(out)
     sched.start_grammar_bitmask(out).result()
     sched.update_from_output(out, {"c": yes[:1]})
-    drafts = iter([comma_no + tokenizer.encode(" maybe") + comma_no, comma_no + dot + comma_no])
+    drafts = iter([comma_no + smollm2_tokenizer.encode(" maybe") + comma_no, comma_no + dot + comma_no])
     sched.planner.drafter.propose = lambda request, room: next(drafts)
 
     out = sched.schedule()
@@ -198,7 +192,7 @@ def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backe
     with pytest.raises(RuntimeError, match="rows for the step's"):
         attach_grammar_bitmask(sampled, out.structured_output_request_ids, rows[:1])
     # The target kept the first draft token and sampled another after it: both advance the grammar.
-    comma_yes = tokenizer.encode(", yes")
+    comma_yes = smollm2_tokenizer.encode(", yes")
     assert comma_yes[0] == comma_no[0] and comma_yes[1] != comma_no[1]
     sched.update_from_output(out, {"c": comma_yes + [7]})
     assert request.output_token_ids == yes[:1] + comma_yes
@@ -210,7 +204,7 @@ def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backe
     assert set(np.flatnonzero(unpacked(rows[-1]))) == {EOS}
     _, finished = sched.update_from_output(out, {"c": comma_no + dot + [EOS]})
     assert [r.request_id for r in finished] == ["c"] and request.finish_reason == "stop"
-    assert tokenizer.decode(request.output_token_ids) == "yes, yes, no."
+    assert smollm2_tokenizer.decode(request.output_token_ids) == "yes, yes, no."
     stats = sched.spec_decoding_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 4)
     assert not sched.has_unfinished_requests()
@@ -269,8 +263,8 @@ def make_llm(model_dir, spec: bool, **kwargs) -> LLM:
                speculative_config=dict(SPEC) if spec else None, **kwargs)
 
 
-def run(llm: LLM, tokenizer, **sampling) -> list:
-    prompts = [{"prompt_token_ids": tokenizer.encode(prompt)} for _, _, prompt in CASES.values()]
+def run(llm: LLM, smollm2_tokenizer, **sampling) -> list:
+    prompts = [{"prompt_token_ids": smollm2_tokenizer.encode(prompt)} for _, _, prompt in CASES.values()]
     params = [SamplingParams(max_tokens=60, structured_outputs=constraint, **sampling)
               for constraint, _, _ in CASES.values()]
     # An unconstrained request in the same batch: its rows sit between the constrained ones'.
@@ -283,7 +277,8 @@ def token_ids(outputs) -> list[list[list[int]]]:
     return [[list(c.token_ids) for c in o.outputs] for o in outputs]
 
 
-def test_greedy_matches_masked_transformers_and_no_speculation(tiny, tokenizer, reference_tokenizer, monkeypatch):
+def test_greedy_matches_masked_transformers_and_no_speculation(tiny, smollm2_tokenizer, reference_tokenizer,
+                                                               monkeypatch):
     model_dir, hf = tiny
     cuts = []
     draft_length = StructuredOutputRequest.draft_length
@@ -294,11 +289,11 @@ def test_greedy_matches_masked_transformers_and_no_speculation(tiny, tokenizer, 
 
     monkeypatch.setattr(StructuredOutputRequest, "draft_length", recorded)
     llm = make_llm(model_dir, spec=True)
-    outputs = run(llm, tokenizer, temperature=0.0)
-    assert token_ids(outputs) == token_ids(run(make_llm(model_dir, spec=False), tokenizer, temperature=0.0))
+    outputs = run(llm, smollm2_tokenizer, temperature=0.0)
+    assert token_ids(outputs) == token_ids(run(make_llm(model_dir, spec=False), smollm2_tokenizer, temperature=0.0))
     for (case, (_, grammar_text, prompt)), output in zip(CASES.items(), outputs[:1] + outputs[2:]):
         completion = output.outputs[0]
-        expected = hf_constrained_greedy(hf, tokenizer.encode(prompt), reference_matcher(reference_tokenizer,
+        expected = hf_constrained_greedy(hf, smollm2_tokenizer.encode(prompt), reference_matcher(reference_tokenizer,
                                                                                          grammar_text), 60)
         assert list(completion.token_ids) == expected, case
         assert completion.finish_reason == "stop", (case, completion.text)
@@ -310,16 +305,16 @@ def test_greedy_matches_masked_transformers_and_no_speculation(tiny, tokenizer, 
     llm.llm_engine.engine_core.scheduler.check_consistency()
 
 
-def test_seeded_sampling_stays_in_the_language_and_matches_no_speculation(tiny, tokenizer, reference_tokenizer):
+def test_seeded_sampling_stays_in_the_language_and_matches_no_speculation(tiny, smollm2_tokenizer, reference_tokenizer):
     """Seeded rows draw by output position (worker/sampling_inputs.py), so a seeded request gets the same tokens
     with speculation as without; n = 2 forks the grammar at the first sample, then each sequence speculates.
     (Speculation with --async-scheduling is refused at configuration, see config.py.)"""
     model_dir, _ = tiny
     llm = make_llm(model_dir, spec=True)
     sampling = dict(temperature=0.8, seed=5, n=2)
-    outputs = run(llm, tokenizer, **sampling)
+    outputs = run(llm, smollm2_tokenizer, **sampling)
     base = make_llm(model_dir, spec=False)
-    assert token_ids(outputs) == token_ids(run(base, tokenizer, **sampling))
+    assert token_ids(outputs) == token_ids(run(base, smollm2_tokenizer, **sampling))
     for case, output in zip(CASES, outputs[:1] + outputs[2:]):
         for completion in output.outputs:
             check_in_language(reference_tokenizer, case, list(completion.token_ids), completion.text,

@@ -30,15 +30,8 @@ CHOICES = ["yes please", "no"]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir))
-
-
-@pytest.fixture(scope="module")
-def backend(tokenizer):
-    return GuidanceBackend(tokenizer, VOCAB, frozenset({EOS}), disable_additional_properties=True)
+def backend(smollm2_tokenizer):
+    return GuidanceBackend(smollm2_tokenizer, VOCAB, frozenset({EOS}), disable_additional_properties=True)
 
 
 def allowed_ids(bitmask_row: np.ndarray) -> set[int]:
@@ -46,29 +39,30 @@ def allowed_ids(bitmask_row: np.ndarray) -> set[int]:
     return {t for t in range(VOCAB) if (int(bitmask_row[t // 32]) >> (t % 32)) & 1}
 
 
-def test_choice_bitmask_is_every_token_that_can_start_a_choice(backend, tokenizer):
+def test_choice_bitmask_is_every_token_that_can_start_a_choice(backend, smollm2_tokenizer):
     grammar = backend.compile_grammar(StructuredOutputsParams(choice=CHOICES))
     bitmask = np.zeros((2, VOCAB // 32), dtype=np.int32)
     grammar.fill_bitmask(bitmask, 1)
     assert not bitmask[0].any()
-    texts = {t: tokenizer.decode([t]) for t in range(VOCAB) if not tokenizer.convert_ids_to_tokens(t).startswith("<")}
+    texts = {t: smollm2_tokenizer.decode([t]) for t in range(VOCAB)
+             if not smollm2_tokenizer.convert_ids_to_tokens(t).startswith("<")}
     expected = {t for t, text in texts.items() if text and any(c.startswith(text) for c in CHOICES)}
     assert allowed_ids(bitmask[1]) == expected
     # Walk "no" to its end: then only EOS may follow, and the grammar has terminated.
-    grammar.accept_tokens(tokenizer.encode("no"))
+    grammar.accept_tokens(smollm2_tokenizer.encode("no"))
     assert grammar.is_terminated()
     grammar.fill_bitmask(bitmask, 0)
     assert allowed_ids(bitmask[0]) == {EOS}
     with pytest.raises(RuntimeError, match="outside the grammar bitmask"):
-        grammar.accept_tokens(tokenizer.encode("x"))
+        grammar.accept_tokens(smollm2_tokenizer.encode("x"))
 
 
-def test_fork_is_independent(backend, tokenizer):
+def test_fork_is_independent(backend, smollm2_tokenizer):
     grammar = backend.compile_grammar(StructuredOutputsParams(regex="(ab|cd)e"))
     fork = grammar.fork()
-    grammar.accept_tokens(tokenizer.encode("ab"))
-    fork.accept_tokens(tokenizer.encode("cd"))
-    grammar.accept_tokens(tokenizer.encode("e"))
+    grammar.accept_tokens(smollm2_tokenizer.encode("ab"))
+    fork.accept_tokens(smollm2_tokenizer.encode("cd"))
+    grammar.accept_tokens(smollm2_tokenizer.encode("e"))
     assert grammar.is_terminated()
     assert not fork.is_terminated()
 
@@ -109,11 +103,11 @@ def test_close_objects_closes_exactly_the_objects_that_name_their_properties():
 
 
 @pytest.mark.parametrize("strict", [None, True, False])
-def test_json_objects_admit_unnamed_keys_only_when_asked(backend, tokenizer, strict):
+def test_json_objects_admit_unnamed_keys_only_when_asked(backend, smollm2_tokenizer, strict):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}
     grammar = backend.compile_grammar(StructuredOutputsParams(json=schema, disable_any_whitespace=True,
                                                               disable_additional_properties=strict))
-    extra = tokenizer.encode('{"city":"Lyon","unit":"c"}')
+    extra = smollm2_tokenizer.encode('{"city":"Lyon","unit":"c"}')
     if strict is False:
         walk(grammar, extra)
     else:  # None: the backend's default (on)
@@ -126,7 +120,7 @@ def test_a_constraint_too_large_for_its_limits_is_refused_before_queueing(backen
         backend.validate(StructuredOutputsParams(regex="a{1000000}"))
 
 
-def test_thousands_of_choices_are_one_lexeme(backend, tokenizer):
+def test_thousands_of_choices_are_one_lexeme(backend, smollm2_tokenizer):
     """5,000 choices would be 5,000 Earley items in one row as parser alternatives (over the 2,000 limit)."""
     rng = np.random.default_rng(0)
     choices = sorted({"".join(rng.choice(list("abcdefgh "), size=rng.integers(3, 12))) for _ in range(5000)})
@@ -134,19 +128,19 @@ def test_thousands_of_choices_are_one_lexeme(backend, tokenizer):
     backend.validate(params)
     target = choices[1234]
     grammar = backend.compile_grammar(params)
-    walk(grammar, tokenizer.encode(target))
+    walk(grammar, smollm2_tokenizer.encode(target))
     assert grammar.is_terminated()
 
 
-def test_a_limit_met_mid_generation_is_the_requests_error(backend, tokenizer):
+def test_a_limit_met_mid_generation_is_the_requests_error(backend, smollm2_tokenizer):
     """The probe passes (its first tokens are digits), the lexer's limit is met at the first 'z': the token was
     allowed by the mask, so the error names the limit instead of calling the token forbidden."""
     params = StructuredOutputsParams(regex="[0-9]{30}z{1000000}")
     backend.validate(params)
     grammar = backend.compile_grammar(params)
-    walk(grammar, tokenizer.encode("0" * 30))
+    walk(grammar, smollm2_tokenizer.encode("0" * 30))
     with pytest.raises(InvalidRequestError, match="exceeded a grammar limit during generation"):
-        walk(grammar, tokenizer.encode("zzzz"))
+        walk(grammar, smollm2_tokenizer.encode("zzzz"))
 
 
 def test_unpack_and_mask_match_a_per_bit_reference():
@@ -187,7 +181,7 @@ class _ModelConfig:
     vocab_size = VOCAB
 
 
-def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, tokenizer):
+def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, smollm2_tokenizer):
     manager = SlowManager(_ModelConfig(), backend)
     sched = make_scheduler(structured_output_manager=manager)
     constrained = make_request("c", 3, params=SamplingParams(n=2, temperature=1.0, max_tokens=10,
@@ -216,17 +210,17 @@ def test_scheduler_waits_for_the_grammar_without_holding_up_others(backend, toke
     batch = {r.request_id: r for r in batch}
     assert batch["f"].grammar_bitmask is None
     assert allowed_ids(batch["c"].grammar_bitmask[0]) == allowed_ids(grammar.grammar_bitmask[0])
-    assert tokenizer.encode("no")[0] in allowed_ids(batch["c"].grammar_bitmask[0])
+    assert smollm2_tokenizer.encode("no")[0] in allowed_ids(batch["c"].grammar_bitmask[0])
 
     # n = 2: the two sequences take different choices, each with its own grammar; "no" completes at once.
-    yes, no = tokenizer.encode("yes"), tokenizer.encode("no")
+    yes, no = smollm2_tokenizer.encode("yes"), smollm2_tokenizer.encode("no")
     _, finished = sched.update_from_output(out, {"f": [7], "c": [yes[0], no[0]]})
     assert [(r.request_id, r.finish_reason) for r in finished] == [("c/1", "stop")]
     out = sched.schedule()
     assert out.structured_output_request_ids == ["c"]
-    rest = CHOICES[0][len(tokenizer.decode(yes[:1])):]
+    rest = CHOICES[0][len(smollm2_tokenizer.decode(yes[:1])):]
     allowed = allowed_ids(sched.start_grammar_bitmask(out).result()[0])
-    assert allowed and all(rest.startswith(tokenizer.decode([t])) for t in allowed)
+    assert allowed and all(rest.startswith(smollm2_tokenizer.decode([t])) for t in allowed)
     sched.abort_requests(["c", "f"])
     assert not sched.has_unfinished_requests()
     sched.check_consistency()
@@ -276,7 +270,7 @@ def test_other_parameters_cannot_push_a_row_out_of_its_grammar():
     assert tokens[2] == int(logits[2].argmax())
 
 
-def test_a_compilation_spent_by_a_limit_is_compiled_afresh(backend, tokenizer):
+def test_a_compilation_spent_by_a_limit_is_compiled_afresh(backend, smollm2_tokenizer):
     """llguidance's copies of one compiled grammar share its lexer's state budget: after one request met the limit,
     the next gets a new compilation instead of failing at once."""
     from pagellm.structured_output.request import StructuredOutputRequest
@@ -290,12 +284,12 @@ def test_a_compilation_spent_by_a_limit_is_compiled_afresh(backend, tokenizer):
     assert again.compiled is first.compiled  # shared while unspent
     first.compiled.result(10)
     first.take_grammar()
-    walk(first.grammar, tokenizer.encode("0" * 30))
+    walk(first.grammar, smollm2_tokenizer.encode("0" * 30))
     with pytest.raises(InvalidRequestError):
-        walk(first.grammar, tokenizer.encode("zz"))
+        walk(first.grammar, smollm2_tokenizer.encode("zz"))
     manager.grammar_init(fresh)
     assert fresh.compiled is not first.compiled
     fresh.compiled.result(10)
     fresh.take_grammar()
-    walk(fresh.grammar, tokenizer.encode("0" * 30))
+    walk(fresh.grammar, smollm2_tokenizer.encode("0" * 30))
     manager.shutdown()
