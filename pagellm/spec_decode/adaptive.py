@@ -115,9 +115,7 @@ class AdaptiveDrafter:
         if isinstance(self.proposer, SuffixProposer):
             draft = self.proposer.draft(request, max_tokens)
             return draft.token_ids, draft.match_len
-        if isinstance(self.proposer, NgramProposer):
-            return self.proposer.draft(request.all_token_ids, max_tokens)
-        return self.proposer.propose(request.all_token_ids, max_tokens), 0
+        return self.proposer.draft(request.all_token_ids, max_tokens)
 
     def step_planned(self, scheduled: list[ScheduledRequest]) -> None:
         """The step just planned (for the verify cost's timing; the suffix cache takes finished requests' outputs)."""

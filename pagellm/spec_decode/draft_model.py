@@ -17,5 +17,6 @@ class DraftModelSlots:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
 
-    def propose(self, token_ids: list[int] | np.ndarray, max_tokens: int | None = None) -> list[int]:
-        return [PLACEHOLDER_TOKEN_ID] * (self.k if max_tokens is None else min(self.k, max_tokens))
+    def draft(self, token_ids: list[int] | np.ndarray, max_tokens: int | None = None) -> tuple[list[int], int]:
+        """The placeholders, and no match length (the draft model follows no match)."""
+        return [PLACEHOLDER_TOKEN_ID] * (self.k if max_tokens is None else min(self.k, max_tokens)), 0

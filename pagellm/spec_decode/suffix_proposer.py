@@ -198,9 +198,6 @@ class SuffixProposer:
         # the cache: a weak reference could let it go first.
         self.sequences: dict[Request, _Sequence] = {}
 
-    def propose(self, request: Request, max_tokens: int | None = None) -> list[int]:
-        return self.draft(request, max_tokens).token_ids
-
     def draft(self, request: Request, max_tokens: int | None = None) -> SuffixDraft:
         """The best draft of at most min(k, max_tokens) tokens to follow the request's tokens so far."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
