@@ -8,13 +8,13 @@
  * rounding. A matrix with `int8_activations` set takes llama.cpp's arithmetic on that path instead (linear_int8.inc).
  *
  * Work split: for a few activation rows (up to PACKED_FUSED_MAX_ROWS, INT8_MAX_ROWS with int8 activations,
- * FUSED_MAX_M for float weights) each block is decoded in registers, once for every FUSED_MAX_M of them,
- * streaming the packed weights once; 32-weight block types go four weight rows at a time through the interleaved
- * layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded. For more rows (prefill), the
- * weight is dequantized once per call, a slice of a few rows at a time that stays in cache while it meets every
- * activation row in a register-blocked outer product (linear_tiles.inc). The portable path dequantizes TILE_ROWS
- * rows at a time into a buffer instead. Work is spread over OpenMP threads (the process's libgomp: the same pool
- * PyTorch uses).
+ * FUSED_MAX_M for float weights) each block is decoded in registers, once for every FUSED_MAX_M of them (WIDE_MAX_M
+ * for the 32-weight types with AVX-512), streaming the packed weights once; 32-weight block types go four weight rows
+ * at a time through the interleaved layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded.
+ * For more rows (prefill), the weight is dequantized once per call, a slice of a few rows at a time that stays in cache
+ * while it meets every activation row in a register-blocked outer product (linear_tiles.inc). The portable path
+ * dequantizes TILE_ROWS rows at a time into a buffer instead. Work is spread over OpenMP threads (the process's
+ * libgomp: the same pool PyTorch uses).
  *
  * Each function has an AVX2+FMA+F16C version (target attribute) and a portable scalar version; the caller picks
  * with `use_avx2`, after asking pagellm_cpu_has_avx2(). The tile path and the small-M path's float32-activation
@@ -54,6 +54,17 @@ typedef struct {
     const float *scale;    /* [m, k / q8_group(type)]: their scales */
     const int16_t *qsum16; /* [m, k / 16]: sums of q over each 16 */
 } activations;
+
+/* Rows [a0, ...) of `all`, k wide (group: q8_group of the type). */
+static inline activations activation_rows(const activations *all, int64_t a0, int64_t k, int64_t group) {
+    return (activations){.x = all->x + a0 * all->ldx,
+                         .ldx = all->ldx,
+                         .sum = all->sum + a0 * (k / 32),
+                         .sum16 = all->sum16 + a0 * (k / 16),
+                         .q = all->q ? all->q + a0 * k : NULL,
+                         .scale = all->scale + a0 * (k / group),
+                         .qsum16 = all->qsum16 + a0 * (k / 16)};
+}
 
 /* Columns [c0, c1) of row r as float32 into dst; c0 and c1 whole blocks (or k). */
 static void dequant_row_scalar(const pagellm_matrix *w, int64_t r, int64_t c0, int64_t c1, float *dst) {
@@ -130,9 +141,11 @@ AVX2 static inline float hsum(__m256 v) {
 #include "linear_tiles.inc"
 
 /* ---- small M: the block decoded in registers, no buffer (linear_fused.inc; linear_int8.inc when opted in) --- */
-/* Activation rows per kernel call: AVX2's register budget. The AVX-512 kernels take as many: their 32 registers
- * would hold 8 rows' accumulators, but spilled the rest (1.4x the time of two calls of 4 at 8 rows, 1.25x at 6). */
+/* Activation rows per kernel call: AVX2's register budget. */
 #define FUSED_MAX_M 4
+/* The AVX-512 group kernel's (32-weight types): its 32 registers hold 8 rows' accumulators, so a speculative verify
+ * step's 5-8 rows decode each block once instead of twice. A row's floats do not depend on the rows beside it. */
+#define WIDE_MAX_M 8
 /* Up to how many rows the small-M path beats dequantized tiles, calling the kernels FUSED_MAX_M rows at a time
  * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12; against
  * linear_tiles.inc on TinyLlama's, 1.0-1.2x at 8); with int8 activations up to 48 on the 32-weight types (1.8x at
@@ -152,6 +165,14 @@ AVX2 static inline float hsum(__m256 v) {
     case 2: { const int M = 2; call; } break;                                                                         \
     case 3: { const int M = 3; call; } break;                                                                         \
     default: { const int M = 4; call; } break;                                                                        \
+    }
+#define FOR_WIDE_M(m, call)                                                                                           \
+    switch (m) {                                                                                                      \
+    case 5: { const int M = 5; call; } break;                                                                         \
+    case 6: { const int M = 6; call; } break;                                                                         \
+    case 7: { const int M = 7; call; } break;                                                                         \
+    case 8: { const int M = 8; call; } break;                                                                         \
+    default: FOR_M(m, call)                                                                                           \
     }
 /* clang-format on */
 #include "linear_int8.inc"
@@ -326,21 +347,18 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
             permute_activations(x, m, ldx, k, scale);
             x = scale, ldx = k;
         }
-        /* Activation rows go FUSED_MAX_M at a time (the kernels' register budget) against the same 16 weight
-         * rows, which stay in cache between them: the weights are still streamed from memory once. */
+        const activations all = {
+            .x = x, .ldx = ldx, .sum = xsum, .sum16 = xsum16, .q = int8 ? q : NULL, .scale = scale, .qsum16 = qsum16};
+        /* Activation rows go a kernel's register budget at a time against the same 16 weight rows, which stay in
+         * cache between them: the weights are still streamed from memory once. */
         const int64_t chunk = 16; /* rows per scheduling unit (whole groups): keeps the split even on small matrices */
         const int wide = fused_exact_avx512(w, int8);
+        const int64_t step = wide && !is_float_type(w->type) ? WIDE_MAX_M : FUSED_MAX_M;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t r0 = 0; r0 < n; r0 += chunk)
-            for (int64_t a0 = 0; a0 < m; a0 += FUSED_MAX_M) {
-                const activations act = {.x = x + a0 * ldx,
-                                         .ldx = ldx,
-                                         .sum = xsum + a0 * (k / 32),
-                                         .sum16 = xsum16 + a0 * (k / 16),
-                                         .q = int8 ? q + a0 * k : NULL,
-                                         .scale = scale + a0 * (k / group),
-                                         .qsum16 = qsum16 + a0 * (k / 16)};
-                const int64_t rows = m - a0 < FUSED_MAX_M ? m - a0 : FUSED_MAX_M, r1 = r0 + chunk < n ? r0 + chunk : n;
+            for (int64_t a0 = 0; a0 < m; a0 += step) {
+                const activations act = activation_rows(&all, a0, k, group);
+                const int64_t rows = m - a0 < step ? m - a0 : step, r1 = r0 + chunk < n ? r0 + chunk : n;
                 if (wide) fused_avx512(w, rows, r0, r1, &act, out + a0 * ldo, ldo);
                 else fused_avx2(w, rows, r0, r1, &act, out + a0 * ldo, ldo);
             }

@@ -6,7 +6,7 @@ from planning such a step to planning the next one of the same request is that s
 around the forward pass included. Each draft length k keeps an exponential moving average of its steps' times; a
 length seen `MIN_SAMPLES` times costs its measured t_k / t_0, and the others the prior's extra cost
 (`prior_cost(k) - 1`) scaled by the mean of the measured (t_k / t_0 - 1) / (prior_cost(k) - 1) over the lengths
-seen (the prior has the kernels' steps: rows go four at a time, so a 5th row costs far more than a 4th). Until
+seen (the prior has the kernels' steps: rows go eight at a time with AVX-512, four with AVX2). Until
 plain and verify steps have both been seen `MIN_SAMPLES` times the prior holds as it is; a gap over `OUTLIER`
 times the estimate (the engine idled between requests) is no step time. A length not timed for `STALE_STEPS` lone
 steps counts as unmeasured, and starts its average afresh when next drafted: an average taken in a slow spell would
@@ -20,7 +20,9 @@ from collections.abc import Callable
 from pagellm.core.sched.output import ScheduledRequest
 
 EMA_WEIGHT = 0.1
-ROWS_PER_PASS, SMALL_M_ROWS = 4, 8  # kernels/linear_cpu.c: FUSED_MAX_M, PACKED_FUSED_MAX_ROWS
+# kernels/linear_cpu.c: WIDE_MAX_M (the AVX-512 group kernel; AVX2's FUSED_MAX_M is 4, and there the measured costs
+# show the 5th row's second pass), PACKED_FUSED_MAX_ROWS
+ROWS_PER_PASS, SMALL_M_ROWS = 8, 8
 MIN_SAMPLES = 3
 STALE_STEPS = 500
 OUTLIER = 10.0
@@ -28,11 +30,11 @@ OUTLIER = 10.0
 
 def prior_cost(k: int) -> float:
     """A verify step with k drafts in decode steps at batch 1 on the CPU's one-call decode step: the small-M matmul
-    kernels take the 1 + k rows four at a time, decoding the weights once per pass (0.66 of a plain step) and paying
-    each row's arithmetic (0.33); past 8 rows the tile path costs about 0.88 a row. Measured 2026-11-27 on the
-    default model, 2 threads, AMD EPYC with the AVX-512 small-M kernels, medians over the editing answers of
-    `pagellm bench spec`: k = 1, 2, 3, 4, 7, 8 cost 1.38, 1.65, 1.98, 2.97, 3.75, 7.9 (the 5th row starts a second
-    pass)."""
+    kernels take the 1 + k rows in one pass up to 8 (AVX-512), decoding the weights once per pass (0.66 of a plain
+    step) and paying each row's arithmetic (0.33); past 8 rows the tile path costs about 0.88 a row. Measured on the
+    default model, 2 threads, AMD EPYC (Zen 5), medians over the editing prompts of `pagellm bench spec` with each
+    length forced: k = 1..7 cost 1.27-1.29, 1.50-1.63, 1.77-1.92, 2.11-2.33, 2.43-2.75, 3.03-3.40, 3.32-3.71
+    (2026-11-27, two runs); with four rows a pass, k = 4 cost 2.52 (the 5th row started a second pass)."""
     rows = k + 1
     if rows > SMALL_M_ROWS:
         return 0.88 * rows

@@ -166,6 +166,22 @@ def test_avx512_small_batches_compute_the_avx2_floats(threads, qtype):
             assert torch.equal(wide, matmul(x)), f"{rows} rows, {out_features} x {in_features}"
 
 
+@pytest.mark.parametrize("qtype", [t for t in TYPES + K_TYPES if t not in (QT.F32, QT.F16, QT.BF16)],
+                         ids=lambda t: t.name)
+def test_each_small_batch_row_gets_the_floats_it_gets_alone(isa, qtype):
+    """A speculative verify step multiplies 2-8 rows where plain decoding multiplies one; greedy output stays the
+    same only if every row's floats do not depend on the rows beside it (the AVX-512 group kernel takes 5-8 rows in
+    one pass, the others four at a time). Groups of four weight rows with 3 left outside them."""
+    in_features = 512 if qtype in K_TYPES else 288
+    rng = np.random.default_rng(5)
+    packed = encode(rng.standard_normal((43, in_features)).astype(np.float32), qtype)
+    matmul = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)
+    x = torch.from_numpy(rng.standard_normal((8, in_features)).astype(np.float32))
+    alone = torch.cat([matmul(x[i:i + 1]) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(matmul(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
 @pytest.mark.parametrize("rows", [1, 3, 9, 20])
 def test_float32_odd_width_and_strided_activations(isa, rows):
     """Float32 rows of any width (no 32-wide blocks), and activations that are a column slice of a wider tensor."""
