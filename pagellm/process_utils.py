@@ -1,5 +1,6 @@
 """Helpers for the child processes pagellm starts (worker ranks, engine replicas): how worker ranks are started,
-running a child's work on a fresh thread, dying with the parent, and being stopped by it.
+running a child's work on a fresh thread, dying with the parent, and being stopped by it; and, for processes that
+serve until they end, freezing the heap startup built.
 
 The worker ranks' start method, as vLLM picks it: fork where that is safe, since a forked child starts at once and
 never imports the main script again (so a script without an `if __name__ == '__main__':` guard works); else spawn,
@@ -13,6 +14,7 @@ does.
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import signal
@@ -145,3 +147,13 @@ def _log_spawn(reason: str) -> None:
     log = logger.warning if guard else logger.info
     log("Starting child processes with spawn, not fork: %s.%s PAGELLM_WORKER_MULTIPROC_METHOD=%s picks the method.",
         reason, guard, "|".join(envs.WORKER_MULTIPROC_METHODS))
+
+
+def freeze_startup_heap() -> None:
+    """Move what startup built (the model, the tokenizer, the app: over 300,000 objects on the default model) out of
+    the cyclic collector's reach for the rest of the process, as vLLM's engine core does: a full collection walking it
+    paused the process 10-170 ms (measured during the default model's start). Only for processes that serve until
+    they end (the API server, a data-parallel replica): an offline engine's objects may die long before its user's
+    process, and frozen cycles are never freed."""
+    gc.collect()
+    gc.freeze()

@@ -32,7 +32,7 @@ from pagellm.engine.core_output import CoreUpdate
 from pagellm.exceptions import EngineDeadError
 from pagellm.logger import init_logger
 from pagellm.metrics.stats import SchedulerStats
-from pagellm.process_utils import die_with_parent, kill_processes
+from pagellm.process_utils import die_with_parent, freeze_startup_heap, kill_processes
 
 logger = init_logger(__name__)
 
@@ -162,6 +162,7 @@ def _run_engine_core(config: EngineConfig, max_waiting_requests: int | None, con
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    freeze_startup_heap()
     conn.send(("ready", (loop.core.num_blocks, loop.core.scheduler.stats())))
 
     send_lock = threading.Lock()  # the loop's thread sends; a utility call that finished at once sends from here

@@ -30,6 +30,7 @@ from pagellm.entrypoints.openai.routes.state import ServerState, server_state, s
 from pagellm.entrypoints.web.routes import add_web_routes
 from pagellm.logger import init_logger
 from pagellm.metrics.history import SAMPLE_INTERVAL_S
+from pagellm.process_utils import freeze_startup_heap
 
 logger = init_logger(__name__)
 
@@ -125,6 +126,7 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(engine, config)
         server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                         timeout_graceful_shutdown=10), engine)
+        freeze_startup_heap()
         server.run()
     finally:
         engine.shutdown()
