@@ -2,13 +2,15 @@
  * 8-bit float (e4m3, e5m2) cache (`--kv-cache-dtype`), and the cache write that rounds new keys and values to the
  * cache's type.
  *
- * One query token per sequence. It sees the sequence's tokens, or with a sliding window of n (the layer's) its last
- * n: blocks wholly before the window are never read, so a long sequence costs the window's length. A unit of work is
- * (sequence, kv head, partition of the tokens it sees): it reads each cached key of its partition once, in place,
- * through the block table (no gathered copy), scores the query heads of the group, and accumulates exp(score - max) *
- * value, keeping the max and the sum of the exponentials. Sequences are split into partitions only when there are too
- * few (sequence, kv head) pairs to keep every thread busy (one conversation, few kv heads); a second pass then merges
- * each head's partitions (flash-decoding). Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over
+ * One query token per batch entry. It sees the sequence's tokens, or with a sliding window of n (the layer's) its
+ * last n: blocks wholly before the window are never read, so a long sequence costs the window's length. Consecutive
+ * entries of one sequence (a speculative verify step's 1 + k rows: the same blocks, lengths one apart) form a run, and
+ * a unit of work is (run, kv head, partition of the tokens the run sees): it reads each cached key and value of its
+ * partition once for every row of the run, in place, through the block table (no gathered copy), scores the query
+ * heads of the group of each row, and accumulates exp(score - max) * value over each row's own tokens, keeping the
+ * max and the sum of the exponentials. Runs are split into partitions only when there are too few (run, kv head)
+ * pairs to keep every thread busy (one conversation, few kv heads); a second pass then merges each head's partitions
+ * (flash-decoding). Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over
  * OpenMP threads (the process's libgomp, shared with PyTorch). With AVX2 the heads of a group go in tiles of up to
  * three: each key row and each value row is loaded (and widened) once per tile, and the tile's dot products and value
  * sums stay in registers; otherwise the loops are left to the compiler's vectoriser. Each cache type gets its own copy
@@ -206,26 +208,44 @@ ALWAYS_INLINE void key_scores(const float *q, const void *keys, const void *valu
     }
 }
 
-/* One unit: the query heads of a group against tokens [begin, end) of one sequence. Per head g, o[g] gets the
- * unnormalised sum of exp(score - max) * value and stats[2g], stats[2g + 1] the max and the sum of exponentials.
+/* One unit: the query heads of a group, for each of `rows` rows of a run (their q rows contiguous, row j's group
+ * after row j - 1's), against one sequence's tokens; row j sees [begins[j], ends[j]) (empty for some, not all). The
+ * keys and values of the rows' tokens together are read once for all rows x group heads; each row's scores
+ * outside its own tokens are zeroed rather than exponentiated (exponentials' max would take them), so they add
+ * nothing to its sums. Per head h (row-major), o[h] gets the unnormalised sum of exp(score - max) * value and
+ * stats[2h], stats[2h + 1] the max and the sum of exponentials (-inf and 0 for a row with no tokens here).
  * Loads widen a narrow cache's values as they go (converting a block into a float32 scratch first, once for the
  * whole group, measured slower: the conversion then waits on memory with nothing to overlap). */
-ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, const int64_t *table, int64_t begin,
-                          int64_t end, float *o, float *stats, float *scores, int64_t group, int64_t head_dim,
-                          int64_t block_size, float scale, int kind) {
-    const int64_t len = end - begin;
-    key_scores(q, keys, values, table, begin, end, scores, len, group, head_dim, block_size, scale, kind);
-    for (int64_t g = 0; g < group; g++) exponentials(scores + g * len, len, stats + 2 * g, stats + 2 * g + 1);
-    weighted_values(scores, len, values, table, begin, end, o, group, head_dim, block_size, kind);
+ALWAYS_INLINE void attend(const float *q, const void *keys, const void *values, const int64_t *table, int64_t rows,
+                          const int64_t *begins, const int64_t *ends, float *o, float *stats, float *scores,
+                          int64_t group, int64_t head_dim, int64_t block_size, float scale, int kind) {
+    int64_t begin = INT64_MAX, end = 0; /* the rows' tokens together (a row's window may start past the others' end) */
+    for (int64_t j = 0; j < rows; j++)
+        if (begins[j] < ends[j]) {
+            begin = begins[j] < begin ? begins[j] : begin;
+            end = ends[j] > end ? ends[j] : end;
+        }
+    const int64_t len = end - begin, heads = rows * group;
+    key_scores(q, keys, values, table, begin, end, scores, len, heads, head_dim, block_size, scale, kind);
+    for (int64_t j = 0; j < rows; j++) {
+        const int64_t lo = begins[j] < ends[j] ? begins[j] - begin : 0, hi = begins[j] < ends[j] ? ends[j] - begin : 0;
+        for (int64_t h = j * group; h < (j + 1) * group; h++) {
+            float *s = scores + h * len;
+            memset(s, 0, sizeof(float) * (size_t)lo);
+            memset(s + hi, 0, sizeof(float) * (size_t)(len - hi));
+            exponentials(s + lo, hi - lo, stats + 2 * h, stats + 2 * h + 1);
+        }
+    }
+    weighted_values(scores, len, values, table, begin, end, o, heads, head_dim, block_size, kind);
 }
 
-typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, float *,
-                          float *, float *, int64_t, int64_t, int64_t, float);
+typedef void (*attend_fn)(const float *, const void *, const void *, const int64_t *, int64_t, const int64_t *,
+                          const int64_t *, float *, float *, float *, int64_t, int64_t, int64_t, float);
 #define ATTEND_FOR(name, kind)                                                                                         \
-    static void name(const float *q, const void *k, const void *v, const int64_t *table, int64_t begin, int64_t end,   \
-                     float *o, float *stats, float *scores, int64_t group, int64_t head_dim, int64_t block_size,       \
-                     float scale) {                                                                                    \
-        attend(q, k, v, table, begin, end, o, stats, scores, group, head_dim, block_size, scale, kind);                \
+    static void name(const float *q, const void *k, const void *v, const int64_t *table, int64_t rows,                 \
+                     const int64_t *begins, const int64_t *ends, float *o, float *stats, float *scores, int64_t group, \
+                     int64_t head_dim, int64_t block_size, float scale) {                                              \
+        attend(q, k, v, table, rows, begins, ends, o, stats, scores, group, head_dim, block_size, scale, kind);        \
     }
 ATTEND_FOR(attend_f32, KV_F32)
 ATTEND_FOR(attend_f16, KV_F16)
@@ -245,7 +265,7 @@ static inline int64_t window_origin(int64_t seq_len, int64_t window, int64_t blo
 }
 
 /* Tokens per partition, in whole blocks: `requested` if positive, else at least 256 tokens (so a unit's fixed costs
- * stay small), splitting sequences only until there are about four units per thread. */
+ * stay small), splitting runs only until there are about four units per thread. */
 static int64_t partition_tokens(int64_t requested, int64_t pairs, int64_t longest, int64_t block_size, int nthreads) {
     int64_t tokens = requested;
     if (tokens <= 0) {
@@ -254,6 +274,23 @@ static int64_t partition_tokens(int64_t requested, int64_t pairs, int64_t longes
         if (tokens < 256) tokens = 256;
     }
     return (tokens + block_size - 1) / block_size * block_size;
+}
+
+/* The most rows a run takes (a verify step's 1 + k; longer runs are split): it sizes each thread's scratch. */
+#define MAX_RUN_ROWS 16
+
+/* Whether entry b + 1 continues the run that entry b ends, which began at entry `first`: one token longer, and the
+ * same blocks wherever the run's rows so far read (from the first row's window on, to b's last block), so the run
+ * can read them all through b + 1's table. Whole rows are compared, not a first block id: prefix caching shares
+ * leading blocks between different sequences. */
+static int continues_run(const int64_t *block_tables, const int64_t *seq_lens, int64_t first, int64_t b,
+                         int64_t max_blocks, int64_t block_size, int64_t window) {
+    if (seq_lens[b + 1] != seq_lens[b] + 1) return 0;
+    const int64_t from = window_origin(seq_lens[first], window, block_size) / block_size;
+    const int64_t to = (seq_lens[b] + block_size - 1) / block_size;
+    if (to <= from) return 1;
+    return memcmp(block_tables + b * max_blocks + from, block_tables + (b + 1) * max_blocks + from,
+                  sizeof(int64_t) * (size_t)(to - from)) == 0;
 }
 
 int paged_decode_attention(const float *query,          /* [B, H, D] */
@@ -271,21 +308,38 @@ int paged_decode_attention(const float *query,          /* [B, H, D] */
     const attend_fn attend_unit = by_type[kv_type];
     const int64_t group = num_heads / num_kv_heads, pairs = batch * num_kv_heads;
     const size_t head_bytes = (size_t)(num_blocks * block_size * head_dim) * kv_size(kv_type);
-    /* Partitions are counted from the block holding the first token in the window: blocks before it are never read. */
-    int64_t longest = 1;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t span = seq_lens[b] - window_origin(seq_lens[b], sliding_window, block_size);
+    /* run_first[r]: the run's first entry (run_first[runs] = batch). Partitions are counted per run from the block
+     * holding its first row's first token in the window (blocks before it are never read), so a sequence verified
+     * with 1 + k rows is partitioned as it is with one. */
+    int64_t *run_first = malloc(sizeof(int64_t) * (size_t)(batch + 1));
+    int64_t runs = 0, longest = 1, most_rows = 1;
+    for (int64_t b = 0; run_first && b < batch; runs++) {
+        int64_t rows = 1;
+        while (b + rows < batch && rows < MAX_RUN_ROWS &&
+               continues_run(block_tables, seq_lens, b, b + rows - 1, max_blocks, block_size, sliding_window))
+            rows++;
+        const int64_t span = seq_lens[b + rows - 1] - window_origin(seq_lens[b], sliding_window, block_size);
         longest = span > longest ? span : longest;
+        most_rows = rows > most_rows ? rows : most_rows;
+        run_first[runs] = b;
+        b += rows;
     }
-    const int64_t part_tokens = partition_tokens(requested_partition_tokens, pairs, longest, block_size, nthreads);
+    if (run_first) run_first[runs] = batch;
+    const int64_t run_pairs = runs * num_kv_heads, merged = most_rows > 1;
+    const int64_t part_tokens =
+        partition_tokens(requested_partition_tokens, run_pairs > 0 ? run_pairs : 1, longest, block_size, nthreads);
     const int64_t parts = (longest + part_tokens - 1) / part_tokens;
-    /* With one partition a unit accumulates straight into `out`; otherwise into its own slice of `partial`. */
+    /* With one partition a unit accumulates straight into `out`; otherwise into its own slice of `partial`. Each
+     * entry keeps its own (entry, kv head, partition) slots, whichever run computed them, for the merge below. */
     float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(pairs * parts * group * head_dim)) : NULL;
     float *stats = malloc(sizeof(float) * (size_t)(pairs * parts * group * 2));
-    int failed = !stats || (parts > 1 && !partial);
-#pragma omp parallel num_threads(nthreads) if (pairs * parts > 1) shared(failed)
+    int failed = !run_first || !stats || (parts > 1 && !partial);
+#pragma omp parallel num_threads(nthreads) if (run_pairs * parts > 1) shared(failed)
     {
-        float *scores = failed ? NULL : malloc(sizeof(float) * (size_t)(group * part_tokens));
+        /* scores, then (for runs of several rows) the gathered queries, their outputs and their stats */
+        const size_t heads = (size_t)(most_rows * group);
+        const size_t scratch = heads * (size_t)part_tokens + (merged ? heads * (size_t)(2 * head_dim + 2) : 0);
+        float *scores = failed ? NULL : malloc(sizeof(float) * scratch);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -293,26 +347,55 @@ int paged_decode_attention(const float *query,          /* [B, H, D] */
 #pragma omp barrier
         /* dynamic: sequences differ in length, so equal counts are not equal work */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < pairs * parts; unit++) {
+        for (int64_t unit = 0; unit < run_pairs * parts; unit++) {
             if (failed) continue;
-            const int64_t pair = unit / parts, part = unit % parts, b = pair / num_kv_heads, kvh = pair % num_kv_heads;
-            const int64_t origin = window_origin(seq_lens[b], sliding_window, block_size);
-            const int64_t first = first_in_window(seq_lens[b], sliding_window);
-            const int64_t start = origin + part * part_tokens;
-            const int64_t end = seq_lens[b] < start + part_tokens ? seq_lens[b] : start + part_tokens;
-            const int64_t begin = start > first ? start : first;
-            float *unit_stats = stats + unit * group * 2;
-            if (begin >= end) { /* a short sequence's empty partition: weight 0 in the merge */
-                for (int64_t g = 0; g < group; g++) unit_stats[2 * g] = -INFINITY, unit_stats[2 * g + 1] = 0.0f;
+            const int64_t run_pair = unit / parts, part = unit % parts, run = run_pair / num_kv_heads;
+            const int64_t kvh = run_pair % num_kv_heads, b0 = run_first[run], rows = run_first[run + 1] - b0;
+            const int64_t start = window_origin(seq_lens[b0], sliding_window, block_size) + part * part_tokens;
+            int64_t begins[MAX_RUN_ROWS], ends[MAX_RUN_ROWS], seen = 0;
+            for (int64_t j = 0; j < rows; j++) { /* each row its own causal end and window start */
+                const int64_t first = first_in_window(seq_lens[b0 + j], sliding_window);
+                ends[j] = seq_lens[b0 + j] < start + part_tokens ? seq_lens[b0 + j] : start + part_tokens;
+                begins[j] = start > first ? start : first;
+                seen += begins[j] < ends[j];
+            }
+            if (!seen) { /* a short run's empty partition: weight 0 in the merge */
+                for (int64_t j = 0; j < rows; j++) {
+                    float *unit_stats = stats + (((b0 + j) * num_kv_heads + kvh) * parts + part) * group * 2;
+                    for (int64_t g = 0; g < group; g++) unit_stats[2 * g] = -INFINITY, unit_stats[2 * g + 1] = 0.0f;
+                }
                 continue;
             }
-            float *o = parts > 1 ? partial + unit * group * head_dim : out + (b * num_heads + kvh * group) * head_dim;
-            attend_unit(query + (b * num_heads + kvh * group) * head_dim, (const char *)key_cache + kvh * head_bytes,
-                        (const char *)value_cache + kvh * head_bytes, block_tables + b * max_blocks, begin, end, o,
-                        unit_stats, scores, group, head_dim, block_size, scale);
+            const char *k = (const char *)key_cache + kvh * head_bytes,
+                       *v = (const char *)value_cache + kvh * head_bytes;
+            const int64_t *table = block_tables + (b0 + rows - 1) * max_blocks; /* the run's longest row's */
+            if (rows == 1) { /* straight from the query, straight into its slots */
+                const int64_t slot = (b0 * num_kv_heads + kvh) * parts + part;
+                float *o =
+                    parts > 1 ? partial + slot * group * head_dim : out + (b0 * num_heads + kvh * group) * head_dim;
+                attend_unit(query + (b0 * num_heads + kvh * group) * head_dim, k, v, table, 1, begins, ends, o,
+                            stats + slot * group * 2, scores, group, head_dim, block_size, scale);
+                continue;
+            }
+            /* The rows' query heads side by side as one tile's heads; each row's results back to its entry's slots. */
+            const size_t row_floats = sizeof(float) * (size_t)(group * head_dim);
+            float *run_q = scores + heads * (size_t)part_tokens, *run_o = run_q + heads * (size_t)head_dim;
+            float *run_stats = run_o + heads * (size_t)head_dim;
+            for (int64_t j = 0; j < rows; j++)
+                memcpy(run_q + j * group * head_dim, query + ((b0 + j) * num_heads + kvh * group) * head_dim,
+                       row_floats);
+            attend_unit(run_q, k, v, table, rows, begins, ends, run_o, run_stats, scores, group, head_dim, block_size,
+                        scale);
+            for (int64_t j = 0; j < rows; j++) {
+                const int64_t slot = ((b0 + j) * num_kv_heads + kvh) * parts + part;
+                float *o = parts > 1 ? partial + slot * group * head_dim
+                                     : out + ((b0 + j) * num_heads + kvh * group) * head_dim;
+                memcpy(o, run_o + j * group * head_dim, row_floats);
+                memcpy(stats + slot * group * 2, run_stats + j * group * 2, sizeof(float) * (size_t)(group * 2));
+            }
         }
         free(scores);
-        /* merge: out = sum_p exp(m_p - m) o_p / sum_p exp(m_p - m) l_p, per (sequence, head) */
+        /* merge: out = sum_p exp(m_p - m) o_p / sum_p exp(m_p - m) l_p, per (entry, head) */
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < batch * num_heads; row++) {
             if (failed) continue;
@@ -337,6 +420,7 @@ int paged_decode_attention(const float *query,          /* [B, H, D] */
             for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
         }
     }
+    free(run_first);
     free(partial);
     free(stats);
     return failed ? -1 : 0;

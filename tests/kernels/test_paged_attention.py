@@ -198,6 +198,58 @@ def test_c_decode_over_narrow_caches_and_partitions(kv_dtype, heads, kv_heads, h
         torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5)
 
 
+def verify_batch(block_size, kv_heads, head_dim):
+    """A decode batch as a speculative verify step sends it: each sequence's 1 + k rows are consecutive entries with
+    its one block table and lengths one apart, among single rows, a run longer than the kernel's cap (16), and
+    sequences sharing leading blocks (prefix caching). Returns the cache and the entries' (table, length)."""
+    # 0: runs of 5 (and 2) rows; 1: a single row; 2: a run across a block (and a 64-token partition) edge; 3: 18 rows.
+    # 4 (A), 5 and 6: tails of B and C, which share A's first 32 tokens' blocks.
+    cache, tables, _ = random_paged_cache([300, 17, 66, 127, 40, 9, 1], kv_heads, head_dim, block_size, seed=7)
+    shared = tables[4][:32 // block_size]
+    a, b, c = tables[4], shared + tables[5], shared + tables[6]
+    entries = [(tables[0], n) for n in range(296, 301)] + [(tables[1], 17)]
+    entries += [(tables[2], n) for n in range(61, 67)] + [(tables[0], 299), (tables[0], 300)]
+    entries += [(tables[3], n) for n in range(110, 128)]
+    # A at 40 then B at 41 (the same first blocks, then their own): not one sequence. A at 32 then C at 33: C's
+    # first 32 tokens are A's, so reading A's tokens through C's table is exact.
+    entries += [(a, 40), (b, 41), (a, 32), (c, 33), (tables[1], 16)]
+    return cache, entries
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window,partition_tokens", [
+    (9, 3, 64, 16, None, 0),  # the default model's shape
+    (4, 2, 32, 4, None, 64),  # forced partitions: a run's rows split across a partition edge
+    (8, 2, 32, 8, 50, 0),  # sliding window: each row its own window start, inside a block
+    (2, 2, 16, 1, 37, 7),  # window and partitions of 7 one-token blocks; scalar dot products and value sums
+    (6, 2, 64, 16, 100, 32),
+])
+def test_c_decode_of_speculative_verify_rows(kv_dtype, heads, kv_heads, head_dim, block_size, window,
+                                             partition_tokens, attention_isa):
+    """The kernel reads a sequence's keys and values once for its run of verify rows; each row must still see only
+    its own tokens (its causal end, its window) and sequences that merely share blocks must not be confused: every
+    entry against the reference over its own tokens, and against itself decoded alone in its own call."""
+    cache, entries = verify_batch(block_size, kv_heads, head_dim)
+    tables, lens = [t for t, _ in entries], [n for _, n in entries]
+    q = torch.randn(len(entries), heads, head_dim, generator=torch.Generator().manual_seed(heads))
+    key_cache, value_cache = stored(cache[0], kv_dtype), stored(cache[1], kv_dtype)
+    scale = head_dim ** -0.5
+
+    def decode(rows):
+        meta = decode_metadata([tables[i] for i in rows], [lens[i] for i in rows])
+        return cpu_kernels.paged_decode_attention(q[rows], key_cache, value_cache, meta.decode_block_tables,
+                                                  meta.decode_seq_lens, scale, sliding_window=window,
+                                                  partition_tokens=partition_tokens)
+
+    out = decode(list(range(len(entries))))
+    for i, (table, n) in enumerate(entries):
+        kv = cache[:, :, table].flatten(2, 3)[:, :, n - min(n, window or n):n].permute(0, 2, 1, 3)
+        expected = reference_attention(q[i:i + 1], rounded(kv[0], kv_dtype), rounded(kv[1], kv_dtype), scale)
+        torch.testing.assert_close(out[i:i + 1], expected, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"{i}: {m}")
+        alone = decode([i])
+        torch.testing.assert_close(out[i:i + 1], alone, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"{i} alone: {m}")
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES[1:])
 def test_torch_decode_over_narrow_caches(kv_dtype):
     seq_lens = [9, 70, 1]
