@@ -12,10 +12,10 @@
  * pairs to keep every thread busy (one conversation, few kv heads); a second pass then merges each head's partitions
  * (flash-decoding). Cache layout: [kv_heads, num_blocks, block_size, dim]. Units are spread over
  * OpenMP threads (the process's libgomp, shared with PyTorch). With AVX2 the heads of a group go in tiles of up to
- * three: each key row and each value row is loaded (and widened) once per tile, and the tile's dot products (four
- * tokens at a time) and value sums stay in registers; otherwise the loops are left to the compiler's vectoriser. Each
- * cache type gets its own copy of the inner loops: `attend_f32` and friends call one always-inlined body with a
- * constant type.
+ * three: each key row and each value row is loaded (and widened) once per tile, and the tile's dot products (in a
+ * unit's later tiles four tokens at a time) and value sums stay in registers; otherwise the loops are left to the
+ * compiler's vectoriser. Each cache type gets its own copy of the inner loops: `attend_f32` and friends call one
+ * always-inlined body with a constant type.
  */
 #include <math.h>
 #include <stdint.h>
@@ -111,16 +111,12 @@ ALWAYS_INLINE void key_tile(const float *q, const void *keys, const void *values
         const int64_t n = end - t0 < block_size ? end - t0 : block_size;
         int64_t i = i0;
 #if VECTOR_KV
-        /* Four tokens at a time: each head's four sums reduce in one horizontal-add tree to four adjacent scores (a
-         * sum and a store per head and token took a tenth of a 5-row verify step's attention, measured). */
-        if (head_dim % 16 == 0)
+        /* A unit's later tiles (a run of verify rows' heads), whose keys the first tile brought into cache, take
+         * four tokens at a time: each head's four sums reduce in one horizontal-add tree to four adjacent scores (a
+         * sum and a store per head and token took a tenth of a 5-row verify step's attention, measured). The first
+         * tile, waiting on memory, keeps one token at a time: four at a time there was 3-8% slower over float32. */
+        if (head_dim % 16 == 0 && values == NULL)
             for (; i + 4 <= n; i += 4, k += 4 * row_bytes) {
-                for (int r = 0; r < 4; r++) {
-                    prefetch_row(next, i + r, row_bytes);
-                    if (v != NULL)
-                        for (size_t offset = 0; offset < row_bytes; offset += 64)
-                            __builtin_prefetch(v + (i + r) * row_bytes + offset, 0, 2);
-                }
                 __m256 acc[3][4];
                 for (int g = 0; g < heads; g++)
                     for (int r = 0; r < 4; r++) acc[g][r] = _mm256_setzero_ps();
