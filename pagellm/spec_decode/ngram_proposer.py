@@ -15,13 +15,9 @@ class NgramProposer:
         self.max_n = config.prompt_lookup_max
         self.k = config.num_speculative_tokens
 
-    def propose(self, token_ids: list[int] | np.ndarray, max_tokens: int | None = None) -> list[int]:
-        """Up to min(k, max_tokens) draft tokens to follow `token_ids` (prompt and output so far); [] when no
-        suffix n-gram recurs."""
-        return self.draft(token_ids, max_tokens)[0]
-
     def draft(self, token_ids: list[int] | np.ndarray, max_tokens: int | None = None) -> tuple[list[int], int]:
-        """The draft and the length n of the n-gram it follows (0 with no draft)."""
+        """Up to min(k, max_tokens) draft tokens to follow `token_ids` (prompt and output so far), and the length n of
+        the n-gram they follow; ([], 0) when no suffix n-gram recurs."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         tokens = np.asarray(token_ids, dtype=np.int64)
         if k <= 0 or len(tokens) < self.min_n + 1:

@@ -14,22 +14,22 @@ def proposer(k: int = 3, lo: int = 1, hi: int = 3) -> NgramProposer:
 def test_longest_suffix_wins_and_latest_occurrence():
     # Suffix [2, 3] occurs at index 1 (followed by 9) and [1, 2, 3] at index 4 (followed by 7, 8).
     tokens = [0, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert proposer().propose(tokens) == [7, 8, 5]
+    assert proposer().draft(tokens)[0] == [7, 8, 5]
     # Only 1-grams allowed: the latest earlier 3 is at index 6, followed by 7, 8, 5.
-    assert proposer(hi=1).propose(tokens) == [7, 8, 5]
+    assert proposer(hi=1).draft(tokens)[0] == [7, 8, 5]
 
 
 def test_draft_is_cut_at_k_max_tokens_and_sequence_end():
     tokens = [4, 5, 6, 4, 5]
-    assert proposer(k=5).propose(tokens) == [6, 4, 5]  # what follows [4, 5] up to the end
-    assert proposer(k=5).propose(tokens, max_tokens=2) == [6, 4]
-    assert proposer().propose(tokens, max_tokens=0) == []
+    assert proposer(k=5).draft(tokens)[0] == [6, 4, 5]  # what follows [4, 5] up to the end
+    assert proposer(k=5).draft(tokens, max_tokens=2)[0] == [6, 4]
+    assert proposer().draft(tokens, max_tokens=0)[0] == []
 
 
 def test_no_match_no_draft():
-    assert proposer().propose([1, 2, 3, 4]) == []
-    assert proposer(lo=2).propose([1, 2, 1]) == []  # the 1-gram [1] recurs, but 2-grams are required
-    assert proposer().propose([7]) == []
+    assert proposer().draft([1, 2, 3, 4])[0] == []
+    assert proposer(lo=2).draft([1, 2, 1])[0] == []  # the 1-gram [1] recurs, but 2-grams are required
+    assert proposer().draft([7])[0] == []
 
 
 @pytest.mark.parametrize("bad", [{"method": "eagle"}, {"num_speculative_tokens": 0},
