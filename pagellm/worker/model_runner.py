@@ -1,9 +1,5 @@
 """Applies each SchedulerOutput to the worker's persistent InputBatch, turns the step's batch into flat model
-inputs, runs the model over the paged cache, and samples.
-
-Inputs are built on the CPU with NumPy (one vectorised pass for the slot mapping); on CUDA all of a step's integer
-inputs (token ids, positions, slot mapping, block tables, lengths, logits rows) go to the device as one buffer in
-one pinned, non-blocking copy (model_executor/host_copy.py).
+inputs (worker/model_inputs.py), runs the model over the paged cache, and samples.
 
 A request whose own work fails (its prompt logprobs, its sampling parameters) is reported in
 `ModelRunnerOutput.failed` and the rest of the batch keeps its results: when a batched sampling call raises, each
@@ -12,9 +8,8 @@ a seeded row's noise depends only on its seed and output position, see worker/sa
 that breaks it.
 
 With async scheduling (see core/sched/async_scheduling.py) a step may be prepared before the previous step's sampled
-tokens reach the host: a sequence whose input is such a token gets it from that step's sampled tokens on the
-device, and the step's own output is an `AsyncModelRunnerOutput` whose tokens are copied to the host behind its
-kernels.
+tokens reach the host: the runner keeps each step's sampled tokens on the device for the next step's inputs, and
+the step's own output is an `AsyncModelRunnerOutput` whose tokens are copied to the host behind its kernels.
 
 Pooling requests (embeddings, scores) sample nothing: each of their chunks is pooled from the final-norm hidden
 states (model_executor/layers/pooler.py) and returned in `ModelRunnerOutput.pooler_output`, on the rank that
@@ -37,23 +32,18 @@ from pagellm.config import LoRAConfig, ModelConfig
 from pagellm.core.kv.kv_cache_groups import KVCacheGroup, layer_positions
 from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
-from pagellm.lora.context import LoRABatch, lora_batch
+from pagellm.lora.context import lora_batch
 from pagellm.lora.worker_manager import LoRAWorkerManager
-from pagellm.model_executor.host_copy import StagedCopy, tensor_on
-from pagellm.model_executor.layers.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    PrefillLayout,
-    assign_kv_groups,
-    select_backend,
-)
-from pagellm.model_executor.layers.pooler import PoolingChunk, pool_chunks
+from pagellm.model_executor.host_copy import tensor_on
+from pagellm.model_executor.layers.attention import AttentionBackend, assign_kv_groups, select_backend
+from pagellm.model_executor.layers.pooler import pool_chunks
 from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs
 from pagellm.worker.input_batch import BatchedRequest, InputBatch, attach_grammar_bitmask
+from pagellm.worker.model_inputs import ModelInputs, build_model_inputs
 from pagellm.worker.sampling_inputs import build_sampling_tensors
 
 logger = init_logger(__name__)
@@ -80,21 +70,6 @@ class ModelRunnerOutput:
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
     # request id -> the draft made for its placeholder slots (speculative method draft_model, see the worker).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampled: list[BatchedRequest]  # one per logits row, in order (repeated for num_samples > 1)
-    # (request, flat index of its first token this step): prefill chunks whose prompt logprobs are wanted
-    prompt_logprobs: list[tuple[BatchedRequest, int]] = field(default_factory=list)
-    # Async scheduling: requests whose input token the previous step did not sample (it failed, or their sampling did)
-    missing_pending: list[str] = field(default_factory=list)
-    pooling: list[PoolingChunk] = field(default_factory=list)  # the step's chunks of pooling requests
-    lora: LoRABatch | None = None  # the rows of each LoRA adapter, when any sequence runs with one
 
 
 @dataclass
@@ -169,82 +144,13 @@ class ModelRunner:
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def prepare_inputs(self, batch: list[BatchedRequest]) -> ModelInputs:
-        # Decodes first: they share one batched attention call. A decode's query is its last token and any
-        # speculative drafts after it; each query token is a decode row of its own (its position, its length), so a
-        # verify step runs through the same batched attention and the one-call CPU decode step as plain decodes.
-        decodes = [r for r in batch if r.num_tokens == 1 + r.num_spec_tokens]
-        prefills = [r for r in batch if r.num_tokens != 1 + r.num_spec_tokens]
-        ordered = decodes + prefills
-        bs = self.block_size
-
-        query_lens = np.array([r.num_tokens for r in ordered], dtype=np.int64)
-        starts = np.concatenate(([0], np.cumsum(query_lens)[:-1]))
-        num_tokens = int(query_lens.sum())
-        req_index = np.repeat(np.arange(len(ordered)), query_lens)
-        offsets = np.arange(num_tokens) - starts[req_index]
-        positions = np.array([r.num_computed_tokens for r in ordered], dtype=np.int64)[req_index] + offsets
-        max_blocks = max(len(r.block_ids) for r in ordered)
-        # One table per KV cache group; every group's tables are equally long.
-        block_tables = [np.zeros((len(ordered), max_blocks), dtype=np.int64) for _ in range(self.num_kv_groups)]
-        for i, r in enumerate(ordered):
-            for table, group_ids in zip(block_tables, r.block_tables):
-                table[i, :len(group_ids)] = group_ids
-        slot_mappings = [table[req_index, positions // bs] * bs + positions % bs for table in block_tables]
-        input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64, count=num_tokens)
-
-        # n > 1: the same last-token logits row is sampled once per sequence. Speculative decoding: each of the
-        # last 1 + num_spec_tokens positions is sampled, in order.
-        sampled_rows = [i for i, r in enumerate(ordered) if r.needs_sample for _ in range(r.num_samples)
-                        for _ in range(r.num_spec_tokens + 1)]
-        back = np.array([r.num_spec_tokens - j for r in ordered if r.needs_sample for _ in range(r.num_samples)
-                         for j in range(r.num_spec_tokens + 1)], dtype=np.int64)
-        logits_indices = starts[sampled_rows] + query_lens[sampled_rows] - 1 - back
-        # Async scheduling: inputs that are the previous step's sampled tokens, taken from them on the device. They
-        # are taken by this step whether it needs them or not: a step that fails before sampling leaves none
-        # behind, so no later step can read stale tokens.
-        (last_tokens, last_rows), self._last_sampled = self._last_sampled or (None, {}), None
-        pending = [(int(starts[i] + query_lens[i] - 1), r.request_id) for i, r in enumerate(ordered) if r.pending_token]
-        taken = [(slot, last_rows[rid]) for slot, rid in pending if rid in last_rows]
-
-        # Every integer input of the step reaches the device in one copy.
-        staged = StagedCopy()
-        ids, pos, logits_rows = (staged.add(a) for a in (input_ids, positions, logits_indices))
-        slots = [staged.add(a) for a in slot_mappings]
-        n = len(decodes)
-        rows = int(query_lens[:n].sum())  # decode rows: one per query token
-        if decodes:
-            width = max(len(r.block_ids) for r in decodes)
-            tables = [staged.add(table[req_index[:rows], :width]) for table in block_tables]
-            lens = staged.add(positions[:rows] + 1)
-        # The backend stages what its prefill reads (one table per chunk, or Triton's one-launch PrefillBatch).
-        backend = self.attn_backend
-        assert backend is not None, "load_model() picks the attention backend"
-        context_lens = np.array([r.num_computed_tokens for r in prefills])
-        layouts = [PrefillLayout(starts[n:], query_lens[n:], context_lens, table[n:],
-                                 [r.block_tables[g] for r in prefills])
-                   for g, table in enumerate(block_tables)]
-        prefill = [backend.stage_prefills(staged, layout) for layout in layouts]
-        if taken:
-            destinations, sources = (staged.add(column) for column in zip(*taken))
-        t = staged.send(self.device)
-
-        if taken:
-            t[ids][t[destinations]] = last_tokens[t[sources]]
-        metas = [backend.build_metadata(t[slots[g]], rows, t[tables[g]] if decodes else None,
-                                        t[lens] if decodes else None, layouts[g], [t[h] for h in prefill[g]])
-                 for g in range(self.num_kv_groups)]
-        meta = metas[0]
-        meta.kv_groups = metas[1:]
-        prompt_logprobs = [(r, int(starts[i])) for i, r in enumerate(ordered)
-                           if r.sampling_params.prompt_logprobs is not None
-                           and r.num_computed_tokens < len(r.prompt_token_ids) - 1]
-        missing = [rid for _, rid in pending if rid not in last_rows]
-        pooling = [PoolingChunk(r.request_id, int(starts[i]), r.num_tokens, r.num_computed_tokens,
-                                len(r.prompt_token_ids), r.pooling_params)
-                   for i, r in enumerate(ordered) if r.pooling_params is not None]
-        lora = self.lora_manager.batch([r.lora_request for r in ordered], query_lens) if self.lora_manager else None
-        return ModelInputs(t[ids], t[pos], meta, t[logits_rows], [ordered[i] for i in sampled_rows], prompt_logprobs,
-                           missing, pooling, lora)
+        """The step's flat inputs (worker/model_inputs.py). Async scheduling: the previous step's sampled tokens are
+        taken by this step whether it needs them or not: a step that fails before sampling leaves none behind, so no
+        later step can read stale tokens."""
+        assert self.attn_backend is not None, "load_model() picks the attention backend"
+        last_sampled, self._last_sampled = self._last_sampled, None
+        return build_model_inputs(batch, self.block_size, self.num_kv_groups, self.attn_backend, self.device,
+                                  self.lora_manager, last_sampled)
 
     def sampling_tensors(self, requests: list[BatchedRequest],
                          last_inputs: torch.Tensor | None = None) -> SamplingTensors:
