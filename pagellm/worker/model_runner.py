@@ -1,11 +1,8 @@
 """Applies each SchedulerOutput to the worker's persistent InputBatch, turns the step's batch into flat model
 inputs (worker/model_inputs.py), runs the model over the paged cache, and samples.
 
-A request whose own work fails (its prompt logprobs, its sampling parameters) is reported in
-`ModelRunnerOutput.failed` and the rest of the batch keeps its results: when a batched sampling call raises, each
-request's rows are sampled alone (greedy and seeded requests get exactly the tokens the batch would have given them:
-a seeded row's noise depends only on its seed and output position, see worker/sampling_inputs.py) to find the one
-that breaks it.
+A request whose own work fails (its prompt logprobs, pooling or sampling: worker/isolated_outputs.py) is reported in
+`ModelRunnerOutput.failed` and the rest of the batch keeps its results.
 
 With async scheduling (see core/sched/async_scheduling.py) a step may be prepared before the previous step's sampled
 tokens reach the host: the runner keeps each step's sampled tokens on the device for the next step's inputs, and
@@ -34,24 +31,16 @@ from pagellm.core.sched.output import GrammarOutput, SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.lora.context import lora_batch
 from pagellm.lora.worker_manager import LoRAWorkerManager
-from pagellm.model_executor.host_copy import tensor_on
 from pagellm.model_executor.layers.attention import AttentionBackend, assign_kv_groups, select_backend
-from pagellm.model_executor.layers.pooler import pool_chunks
-from pagellm.model_executor.layers.sampler import Sampler, SamplingTensors, gather_logprobs
 from pagellm.model_executor.model_loader.loader import load_model
 from pagellm.outputs import LogprobsEntry
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.cuda_graphs import Capture, DecodeGraphs
 from pagellm.worker.input_batch import BatchedRequest, InputBatch, attach_grammar_bitmask
+from pagellm.worker.isolated_outputs import BatchSampler, compute_prompt_logprobs, pool
 from pagellm.worker.model_inputs import ModelInputs, build_model_inputs
-from pagellm.worker.sampling_inputs import build_sampling_tensors
 
 logger = init_logger(__name__)
-
-
-def _record_failure(failed: dict[str, str], request_id: str, what: str, exc: Exception) -> None:
-    logger.error("%s of request %s failed; the request fails alone.", what, request_id, exc_info=exc)
-    failed[request_id] = f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -110,12 +99,13 @@ class ModelRunner:
         self.attn_backend: AttentionBackend | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
-        self.sampler = Sampler()
+        self.batch_sampler: BatchSampler | None = None  # made with the model
         self.input_batch = InputBatch()
 
     def load_model(self) -> None:
         self.model = load_model(self.model_config, self.device)
         self.attn_backend = select_backend(self.device, self.model_config.dtype)
+        self.batch_sampler = BatchSampler(self.model_config.vocab_size, self.device)
         if self.num_kv_groups > 1:
             assign_kv_groups(self.model, {layer: g for layer, (g, _) in layer_positions(self.kv_groups).items()})
         if self.lora_config is not None and self.lora_config.enable_lora:
@@ -152,30 +142,6 @@ class ModelRunner:
         return build_model_inputs(batch, self.block_size, self.num_kv_groups, self.attn_backend, self.device,
                                   self.lora_manager, last_sampled)
 
-    def sampling_tensors(self, requests: list[BatchedRequest],
-                         last_inputs: torch.Tensor | None = None) -> SamplingTensors:
-        return build_sampling_tensors(requests, self.model_config.vocab_size, self.device, last_inputs)
-
-    def compute_prompt_logprobs(self, hidden: torch.Tensor, inputs: ModelInputs,
-                                failed: dict[str, str]) -> dict[str, tuple[int, list]]:
-        """Logprobs of each prompt token (after the first) from the previous position's raw logits, for the
-        positions of this step's chunk only; later chunks continue where this one ends. A request whose
-        computation raises goes into `failed`."""
-        result = {}
-        for request, flat_start in inputs.prompt_logprobs:
-            try:
-                prompt = request.prompt_token_ids
-                start = request.num_computed_tokens
-                end = min(start + request.num_tokens, len(prompt) - 1)
-                logits = self.model.compute_logits(hidden[flat_start:flat_start + end - start])
-                targets = tensor_on(prompt[start + 1:end + 1], torch.int64, self.device)
-                num = request.sampling_params.prompt_logprobs
-                result[request.request_id] = (start, gather_logprobs(logits.log_softmax(dim=-1), targets,
-                                                                     [num] * (end - start)))
-            except Exception as exc:
-                _record_failure(failed, request.request_id, "Prompt logprobs", exc)
-        return result
-
     # ---- execution ---------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
@@ -192,10 +158,11 @@ class ModelRunner:
             return ModelRunnerOutput({}, phase_seconds={"prepare_inputs": prepared - start,
                                                         "forward": time.perf_counter() - prepared})
         failed = dict.fromkeys(inputs.missing_pending, "The previous step sampled no token for this request.")
-        prompt_logprobs = self.compute_prompt_logprobs(hidden, inputs, failed) if inputs.prompt_logprobs else {}
+        prompt_logprobs = (compute_prompt_logprobs(self.model.compute_logits, hidden, inputs.prompt_logprobs,
+                                                   self.device, failed) if inputs.prompt_logprobs else {})
         # Every tensor-parallel rank pools (classify rows compute logits, gathered across the ranks); the rank that
         # samples returns the vectors.
-        pooled = self.pool(hidden, inputs, failed) if inputs.pooling else {}
+        pooled = pool(self.model.compute_logits, hidden, inputs.pooling, failed) if inputs.pooling else {}
         # Every tensor-parallel rank computes the logits (they are gathered across the ranks).
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled else None
         phases = {"prepare_inputs": prepared - start, "forward": time.perf_counter() - prepared}
@@ -209,23 +176,6 @@ class ModelRunner:
             self._awaiting_grammar = (step, output.structured_output_request_ids)
             return None
         return self._sample_step(step)
-
-    def pool(self, hidden: torch.Tensor, inputs: ModelInputs, failed: dict[str, str]) -> dict[str, np.ndarray]:
-        """The pooled contribution of each pooling chunk of the step (see layers/pooler.py). If pooling the batch
-        raises, each request is pooled alone, so that only the one that breaks it fails."""
-        try:
-            return pool_chunks(hidden, inputs.pooling, self.model.compute_logits)
-        except Exception as exc:
-            if len(inputs.pooling) == 1:
-                _record_failure(failed, inputs.pooling[0].request_id, "Pooling", exc)
-                return {}
-        pooled = {}
-        for chunk in inputs.pooling:
-            try:
-                pooled.update(pool_chunks(hidden, [chunk], self.model.compute_logits))
-            except Exception as exc:
-                _record_failure(failed, chunk.request_id, "Pooling", exc)
-        return pooled
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | None:
         graphs, meta = self.decode_graphs, inputs.meta
@@ -253,7 +203,8 @@ class ModelRunner:
 
     def _sample_step(self, step: ForwardResult) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         start = time.perf_counter()
-        rows, tokens, entries = self._sample(step.logits, step.sampled, step.failed, step.last_inputs)
+        assert self.batch_sampler is not None, "load_model() makes the sampler"
+        rows, tokens, entries = self.batch_sampler.sample(step.logits, step.sampled, step.failed, step.last_inputs)
         row_of: dict[str, int] = {}
         for i, row in enumerate(rows):
             row_of.setdefault(step.sampled[row].request_id, i)
@@ -271,43 +222,3 @@ class ModelRunner:
             return ModelRunnerOutput(sampled, logprobs, step.prompt_logprobs, step.failed, phases, step.pooler_output)
 
         return AsyncModelRunnerOutput(tokens, finish) if self.async_output else finish(tokens.tolist())
-
-    def _sample(self, logits: torch.Tensor, requests: list[BatchedRequest], failed: dict[str, str],
-                last_inputs: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
-        """Sample every logits row (one per entry of `requests`) of requests not in `failed`, in one batch; if
-        that raises, sample each request's rows alone so that only the request that breaks sampling fails (it
-        goes into `failed`). Returns the rows sampled (ascending), their tokens (on the device) and logprobs
-        entries (None where not asked for)."""
-        by_request: dict[str, list[int]] = {}
-        for row, request in enumerate(requests):
-            if request.request_id not in failed:
-                by_request.setdefault(request.request_id, []).append(row)
-        rows = [row for request_rows in by_request.values() for row in request_rows]
-        if not rows:
-            return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
-        try:
-            return self._sample_rows(logits, requests, rows, last_inputs)
-        except Exception as exc:
-            if len(by_request) == 1:
-                _record_failure(failed, next(iter(by_request)), "Sampling", exc)
-                return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
-        parts = []
-        for request_id, request_rows in by_request.items():
-            try:
-                parts.append(self._sample_rows(logits, requests, request_rows, last_inputs))
-            except Exception as exc:
-                _record_failure(failed, request_id, "Sampling", exc)
-        if not parts:
-            return [], torch.empty(0, dtype=torch.int64, device=logits.device), []
-        return ([row for part in parts for row in part[0]], torch.cat([part[1] for part in parts]),
-                [entry for part in parts for entry in part[2]])
-
-    def _sample_rows(self, logits: torch.Tensor, requests: list[BatchedRequest], rows: list[int],
-                     last_inputs: torch.Tensor | None = None
-                     ) -> tuple[list[int], torch.Tensor, list[LogprobsEntry | None]]:
-        every_row = len(rows) == len(requests)
-        subset = logits if every_row else logits[rows]
-        if last_inputs is not None and not every_row:
-            last_inputs = last_inputs[rows]
-        out = self.sampler(subset, self.sampling_tensors([requests[row] for row in rows], last_inputs))
-        return rows, out.sampled, out.logprobs or [None] * len(rows)

@@ -17,6 +17,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.llm import LLM
 from pagellm.exceptions import RequestFailedError
 from pagellm.sampling_params import SamplingParams
+from pagellm.worker import isolated_outputs
 
 PROMPTS = {"greedy": "The capital of France is", "seeded": "Once upon a time", "bad": "def fibonacci(n):",
            "other": "1, 2, 3, 4,"}
@@ -43,8 +44,8 @@ def fail_sampling_of(monkeypatch, engine: LLMEngine, group_id: str, from_sample:
     """Make sampling raise for every batch that holds one of `group_id`'s sequences, from its `from_sample`-th
     sample on, after the batch has drawn its random numbers (so the retry must draw the other requests' seeded
     numbers again, the same: they come from each seed and output position)."""
-    model_runner = runner(engine)
-    sample_rows = model_runner._sample_rows
+    sampler = runner(engine).batch_sampler
+    sample_rows = sampler.sample_rows
     batches = []
 
     def faulty(logits, requests, rows, *rest):
@@ -55,7 +56,7 @@ def fail_sampling_of(monkeypatch, engine: LLMEngine, group_id: str, from_sample:
                 raise RuntimeError(f"injected sampling fault for {group_id}")
         return result
 
-    monkeypatch.setattr(model_runner, "_sample_rows", faulty)
+    monkeypatch.setattr(sampler, "sample_rows", faulty)
 
 
 def fail_nth_call(monkeypatch, owner, name: str, n: int = 3) -> list:
@@ -108,8 +109,7 @@ def test_outputs_of_the_failing_step_are_not_lost(engine, monkeypatch):
 
 
 def test_prompt_logprobs_failure_fails_that_request_only(engine, monkeypatch):
-    model_runner = runner(engine)
-    gather = model_runner.compute_prompt_logprobs.__globals__["gather_logprobs"]
+    gather = isolated_outputs.gather_logprobs
     calls = []
 
     def faulty(logprobs, targets, num):
@@ -118,7 +118,7 @@ def test_prompt_logprobs_failure_fails_that_request_only(engine, monkeypatch):
             raise RuntimeError("injected prompt-logprobs fault")
         return gather(logprobs, targets, num)
 
-    monkeypatch.setitem(model_runner.compute_prompt_logprobs.__globals__, "gather_logprobs", faulty)
+    monkeypatch.setattr(isolated_outputs, "gather_logprobs", faulty)
     engine.add_request("asks", "Hello there my friend", SamplingParams(max_tokens=3, prompt_logprobs=3))
     engine.add_request("fine", "Hello there my friend", SamplingParams(max_tokens=3, prompt_logprobs=1))
     tokens, failures = step_until_done(engine)

@@ -1,13 +1,12 @@
 """The batched sampler against independent references: straightforward per-row NumPy code and Hugging Face
 transformers' logits processors, plus a chi-square test of the sampled frequencies.
 
-SamplingTensors are built by the real ModelRunner.sampling_tensors from BatchedRequests (the runner needs only
-the vocabulary size for that), so the tensor-building path is covered as well.
+SamplingTensors are built by the model runner's real BatchSampler.sampling_tensors from BatchedRequests, so the
+tensor-building path is covered as well.
 """
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,13 +16,13 @@ from pagellm import SamplingParams
 from pagellm.model_executor.layers.logits_processors import apply_penalties, bad_words_bans, pad_token_lists
 from pagellm.model_executor.layers.sampler import Sampler, apply_min_p, apply_top_k_top_p, gather_logprobs
 from pagellm.worker.input_batch import BatchedRequest
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.isolated_outputs import BatchSampler
 
 V = 64
 
 
-def runner(vocab: int = V) -> ModelRunner:
-    return ModelRunner(SimpleNamespace(vocab_size=vocab), block_size=16, device=torch.device("cpu"))
+def batch_sampler(vocab: int = V) -> BatchSampler:
+    return BatchSampler(vocab, torch.device("cpu"))
 
 
 def req(params: SamplingParams, request_id: str = "r", prompt=(), output=(), eos=frozenset()) -> BatchedRequest:
@@ -142,16 +141,16 @@ def test_sampler_applies_penalties_bias_bans_for_greedy_rows():
         req(SamplingParams(temperature=0), "e"),
     ]
     requests[4].bad_words_token_ids = [[top[4]]]
-    tokens = Sampler()(logits, runner().sampling_tensors(requests)).sampled.tolist()
+    tokens = Sampler()(logits, batch_sampler().sampling_tensors(requests)).sampled.tolist()
     assert tokens[0] != top[0] and tokens[1] != top[1] and tokens[2] == 7
     assert tokens[3] != top[3] and tokens[4] != top[4]
     # min_tokens reached: the stop token is allowed again.
     requests[3] = req(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[top[3]]), "d", output=[1] * 3)
-    assert Sampler()(logits, runner().sampling_tensors(requests)).sampled[3] == top[3]
+    assert Sampler()(logits, batch_sampler().sampling_tensors(requests)).sampled[3] == top[3]
     # min_tokens masks EOS unless ignore_eos.
     for ignore_eos, expected in ((False, False), (True, True)):
         r = req(SamplingParams(temperature=0, min_tokens=2, ignore_eos=ignore_eos), eos={top[0]})
-        assert (Sampler()(logits[:1], runner().sampling_tensors([r])).sampled[0] == top[0]) == expected
+        assert (Sampler()(logits[:1], batch_sampler().sampling_tensors([r])).sampled[0] == top[0]) == expected
 
 
 def test_bad_words_bans():
@@ -211,7 +210,7 @@ def test_sampled_frequencies_match_distribution(params):
         target = TopPLogitsWarper(params["top_p"])(None, target)
     probs = target.softmax(-1)[0].double().numpy()
     sp = SamplingParams(**params)
-    tensors = runner(vocab).sampling_tensors([req(sp, f"r{i}") for i in range(n)])
+    tensors = batch_sampler(vocab).sampling_tensors([req(sp, f"r{i}") for i in range(n)])
     torch.manual_seed(1234)
     tokens = Sampler()(row.expand(n, vocab).contiguous(), tensors).sampled.numpy()
     counts = np.bincount(tokens, minlength=vocab)
@@ -233,7 +232,7 @@ def test_greedy_rows_exact_next_to_sampled_rows():
     params = [SamplingParams(temperature=0 if i % 2 else 1.5, top_k=3 if i % 4 == 0 else -1, min_p=0.3 * (i % 3 == 0))
               for i in range(8)]
     torch.manual_seed(0)
-    tokens = Sampler()(logits, runner().sampling_tensors([req(p, str(i)) for i, p in enumerate(params)])).sampled
+    tokens = Sampler()(logits, batch_sampler().sampling_tensors([req(p, str(i)) for i, p in enumerate(params)])).sampled
     for i in range(1, 8, 2):
         assert tokens[i] == logits[i].argmax()
 
@@ -243,7 +242,7 @@ def test_seeded_rows_independent_of_batch():
     seeded = SamplingParams(temperature=1.0, seed=42, top_p=0.9)
 
     def draws(batch_params, row, steps=20):
-        r = runner()
+        r = batch_sampler()
         requests = [req(p, str(i)) for i, p in enumerate(batch_params)]
         out = []
         for step in range(steps):
@@ -260,7 +259,7 @@ def test_seeded_rows_independent_of_batch():
                    seeded], 3)
     assert alone == mixed
     assert len(set(alone)) > 1
-    # A seeded row's draw depends on its output position alone: the same position in a new runner draws the same.
-    again = runner().sampling_tensors([req(seeded, "other", output=[0] * 5)])
-    first = runner().sampling_tensors([req(seeded, "x", output=[9] * 5)])
+    # A seeded row's draw depends on its output position alone: the same position in a new batch sampler draws the same.
+    again = batch_sampler().sampling_tensors([req(seeded, "other", output=[0] * 5)])
+    first = batch_sampler().sampling_tensors([req(seeded, "x", output=[9] * 5)])
     assert torch.equal(Sampler()(logits[:1], again).sampled, Sampler()(logits[:1], first).sampled)

@@ -7,7 +7,6 @@ min(1, p/q) = p(draft), and a rejected position emits normalize(max(0, p - q))."
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from pagellm import SamplingParams
 from pagellm.model_executor.layers.sampler import Sampler
 from pagellm.spec_decode.verify import num_accepted
 from pagellm.worker.input_batch import BatchedRequest
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.isolated_outputs import BatchSampler
 
 V, K, N = 8, 2, 30000  # vocabulary, draft length, verify steps
 
@@ -59,13 +58,13 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams | list
            seed: int = 0) -> list[list[int]]:
     """`trials` verify steps of one draft (with `params`, or params[i] for step i), each sampled as the model
     runner samples a request's 1 + k rows; returns each step's emitted tokens."""
-    runner = ModelRunner(SimpleNamespace(vocab_size=V), block_size=16, device=torch.device("cpu"))
     each = params if isinstance(params, list) else [params] * trials
     requests = [BatchedRequest(f"r{i}", [0] * (1 + len(draft)), 0, [0], each[i], True, [], [1], frozenset(),
                                num_spec_tokens=len(draft))
                 for i in range(trials) for _ in range(1 + len(draft))]
     torch.manual_seed(seed)
-    sampled = Sampler()(logits.repeat(trials, 1), runner.sampling_tensors(requests)).sampled
+    tensors = BatchSampler(V, torch.device("cpu")).sampling_tensors(requests)
+    sampled = Sampler()(logits.repeat(trials, 1), tensors).sampled
     steps = sampled.view(trials, 1 + len(draft)).tolist()
     return [row[:num_accepted(draft, row) + 1] for row in steps]
 

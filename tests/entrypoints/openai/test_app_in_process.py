@@ -79,8 +79,8 @@ def test_a_request_that_fails_in_the_engine_fails_alone(engine, monkeypatch):
     details), its stream ends with an error event; concurrent streams finish with the text they get without the
     fault, the engine keeps serving and no block is held afterwards."""
     marker = [4, 4, 4, 4]  # prompt token ids that make sampling fail
-    runner = engine.engine_core.executor.worker.model_runner
-    sample_rows = runner._sample_rows
+    sampler = engine.engine_core.executor.worker.model_runner.batch_sampler
+    sample_rows = sampler.sample_rows
 
     def faulty(logits, requests, rows, *rest):
         if any(requests[row].prompt_token_ids == marker for row in rows):
@@ -90,7 +90,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(engine, monkeypatch):
     good = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with app_client(engine) as client:
         expected = client.post("/v1/completions", json=good).json()["choices"][0]["text"]
-        monkeypatch.setattr(runner, "_sample_rows", faulty)
+        monkeypatch.setattr(sampler, "sample_rows", faulty)
         results: dict[str, object] = {}
 
         def stream(name: str, body: dict) -> None:
