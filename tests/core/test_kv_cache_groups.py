@@ -8,7 +8,8 @@ import pytest
 from scheduler_factories import compute, make_request
 
 from pagellm.core.kv.kv_cache_groups import blocks_needed, group_size, kv_cache_groups, layer_positions
-from pagellm.core.kv.kv_cache_manager import KVCacheManager, group_key
+from pagellm.core.kv.kv_cache_manager import KVCacheManager
+from pagellm.core.kv.prefix_hit import group_key
 from pagellm.core.kv.sliding_window import NULL_BLOCK
 from pagellm.core.state_snapshot import engine_state
 

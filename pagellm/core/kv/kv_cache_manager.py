@@ -2,9 +2,7 @@
 between forked sequences (n > 1, beam search) and copied on write, reused across requests through the prefix
 cache, and moved to and from host memory.
 
-Prefix cache: once a full block's K/V are computed it is indexed under its chained hash (see block_hash.py). A new
-request takes every cached block of its prefix and computes only the rest. Freed blocks stay cached until the
-pool needs them (see BlockPool).
+Prefix cache (see prefix_cache.py): a new request takes every cached block of its prefix and computes only the rest.
 
 Host tier (see host_tier.py, which owns both pools and the step's block moves): evicted cached blocks are kept
 in host memory for later prefix hits, and a request preempted by swapping has its blocks copied out and back in.
@@ -13,34 +11,21 @@ KV cache groups (see kv_cache_groups.py): a request holds one block table per gr
 positional (every table has an entry per block of the request's tokens). A full-attention group keeps every block.
 A sliding group (window W) frees a block once the request has computed past its window (a query at position q
 reads keys q - W < k <= q): its entry becomes `NULL_BLOCK` (block id 0 for the workers, read only under the
-kernels' window mask), and the freed block stays cached for prefix hits until evicted. Prefix hits across the
-groups: prefix_hit.py. `req_to_blocks` and `req_to_host_blocks` are the first group's tables (a full-attention group
-when the model has one).
+kernels' window mask), and the freed block stays cached for prefix hits until evicted. `req_to_blocks` and
+`req_to_host_blocks` are the first group's tables (a full-attention group when the model has one).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from pagellm.core.kv.block_hash import extend_block_hashes
 from pagellm.core.kv.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.kv.group_tables import GroupTables, check_tables, device_holders, host_holders, token_efficiency
 from pagellm.core.kv.host_tier import TieredBlocks, Transfers
 from pagellm.core.kv.kv_cache_groups import blocks_needed, cdiv
-from pagellm.core.kv.prefix_hit import ComputedBlocks, find_prefix_hit, group_key
+from pagellm.core.kv.prefix_cache import PrefixCache, PrefixCacheStats
+from pagellm.core.kv.prefix_hit import ComputedBlocks
 from pagellm.core.kv.sliding_window import NULL_BLOCK, live, num_skipped_blocks
 from pagellm.core.request import Request
 
-__all__ = ["ComputedBlocks", "KVCacheManager", "PrefixCacheStats", "Transfers", "cdiv", "group_key"]
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Cumulative, in tokens. A preempted request finding its own blocks again is counted apart."""
-
-    queries: int = 0
-    hits: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
+__all__ = ["ComputedBlocks", "KVCacheManager", "Transfers", "cdiv"]
 
 
 class KVCacheManager:
@@ -54,14 +39,22 @@ class KVCacheManager:
         self.group_windows = [group.window for group in self.groups]
         # The window every layer shares (None: some layer attends to all tokens, or the groups differ).
         self.sliding_window = self.group_windows[0] if len(self.groups) == 1 else None
-        self.enable_prefix_caching = enable_prefix_caching
         self.tiers = TieredBlocks(num_blocks, num_host_blocks)
         self.block_pool: BlockPool = self.tiers.device
         self.host_pool: BlockPool | None = self.tiers.host
         self.req_to_blocks = self.groups[0].req_to_blocks
         self.req_to_host_blocks = self.groups[0].req_to_host_blocks  # requests swapped out to the host tier
         self._rewritten_tables: set[str] = set()  # tables with a block replaced in place (copy-on-write)
-        self.prefix_stats = PrefixCacheStats()
+        self.prefix_cache = PrefixCache(self.groups, block_size, self.block_pool, self.host_pool,
+                                        enable_prefix_caching)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache.enabled
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        return self.prefix_cache.stats
 
     @property
     def num_blocks(self) -> int:
@@ -115,35 +108,16 @@ class KVCacheManager:
 
     # ---- prefix cache ---------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest cached prefix of the request's tokens, in whole blocks, that every group has, leaving at
-        least its last token to compute (its logits are needed). Changes nothing; `allocate_slots` takes the
-        blocks."""
-        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
-            return ComputedBlocks()  # cached positions have no logits or hidden states to report
-        hashes = self._block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
-        return find_prefix_hit(hashes, self.group_windows, self.block_size, self.block_pool, self.host_pool)
-
-    def _block_hashes(self, request: Request) -> list[bytes]:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
-                            request.lora_request.lora_int_id if request.lora_request else None)
-        return request.block_hashes
+        """The request's longest cached prefix (see PrefixCache); `allocate_slots` takes the blocks."""
+        return self.prefix_cache.get_computed_blocks(request)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's blocks whose K/V are now all computed (called after each step that ran it)."""
-        if not self.enable_prefix_caching:
-            return
-        request_id = request.request_id
-        for g, group in enumerate(self.groups):
-            blocks = group.req_to_blocks.get(request_id, [])
-            num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-            start = group.num_cached_blocks.get(request_id, 0)
-            if num_full <= start:
-                continue
-            hashes = self._block_hashes(request)
-            for index in range(start, num_full):
-                if blocks[index] is not NULL_BLOCK:
-                    self.block_pool.cache(blocks[index], group_key(hashes[index], g))
-            group.num_cached_blocks[request_id] = num_full
+        self.prefix_cache.cache_full_blocks(request)
+
+    def record_query(self, request: Request) -> None:
+        """Count a request's admission as a prefix-cache query (see PrefixCache)."""
+        self.prefix_cache.record_query(request)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds (after a failed step, whose copies may not have happened)."""
@@ -184,7 +158,7 @@ class KVCacheManager:
             return False
 
         if num_hit:
-            self._record_hit(request, num_hit * self.block_size)
+            self.prefix_cache.record_hit(request, num_hit * self.block_size)
             # Every group's hits are taken before any group allocates: an allocation evicts cached blocks nobody
             # holds (on the device, and in the host tier, where evicted device blocks are saved). Host hits are held
             # until the step has copied them in.
@@ -221,22 +195,6 @@ class KVCacheManager:
             self._rewritten_tables.add(request_id)
         group.req_to_blocks[request_id] = blocks + self.block_pool.allocate(num_fresh)
         return swapped
-
-    def _record_hit(self, request: Request, num_tokens: int) -> None:
-        if request.num_preemptions:
-            self.prefix_stats.preempted_hits += num_tokens
-        else:
-            self.prefix_stats.hits += num_tokens
-
-    def record_query(self, request: Request) -> None:
-        """Count a request's admission as a prefix-cache query of all its tokens (vLLM's convention, although the
-        last one is always computed)."""
-        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
-            return
-        if request.num_preemptions:
-            self.prefix_stats.preempted_queries += request.num_tokens
-        else:
-            self.prefix_stats.queries += request.num_tokens
 
     def can_swap_out(self, request: Request) -> bool:
         num = sum(len(live(group.req_to_blocks.get(request.request_id, []))) for group in self.groups)
