@@ -257,9 +257,6 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}.")
         if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
             raise ValueError(f"target_tpot_ms must be positive, got {self.target_tpot_ms}; fix --target-tpot-ms.")
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("Speculative decoding does not run with async scheduling yet; drop "
-                             "--async-scheduling or --speculative-config.")
 
     def check_fits(self, max_model_len: int) -> None:
         """Without chunked prefill a prompt runs in one step, so the token budget must hold the longest one."""

@@ -15,6 +15,15 @@ A request keeps one such rate (and probe wait) per class of draft, by the length
 a long match is copied text far more often (on pagellm bench spec's answers the first token after a match of 16 or
 more was kept 97% of the time, after one of 1-3 tokens 22-79%), so long matches draft long while short ones stay
 short or off. A draft model's drafts are one class.
+
+With async scheduling (core/sched/async_scheduling.py) a decode may run blind, planned before the token its batch in
+flight samples is known, and then drafts nothing (a draft needs the request's tokens). So the planner asks
+`may_draft` first: a request that may draft waits for its batch instead. It may unless every class is off until its
+probe, or its recent proposals found no draft: each empty proposal lets it run blind for `next_quiet` decode steps
+(1, doubling while proposals stay empty, up to `MAX_QUIET_WAIT`; a verify step that shows drafts pay resets it), so
+text that does not repeat keeps the overlap in eight steps of nine, and copying that starts again is drafted within
+nine steps. Waits count decode steps, blind ones too (`count_blind_step`), so a request that is off probes after as
+many steps as without async scheduling (or at its next proposal, if it is quiet then).
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from pagellm.config import SpeculativeConfig
 from pagellm.core.request import Request
 from pagellm.core.sched.output import ScheduledRequest
 from pagellm.spec_decode.draft_model import DraftModelSlots
+from pagellm.spec_decode.eligibility import may_speculate
 from pagellm.spec_decode.ngram_proposer import NgramProposer
 from pagellm.spec_decode.step_cost import VerifyCosts, prior_cost
 from pagellm.spec_decode.suffix_proposer import SuffixProposer
@@ -33,6 +43,7 @@ from pagellm.spec_decode.suffix_proposer import SuffixProposer
 DECAY = 0.75
 PRIOR_ACCEPTED, PRIOR_TRIALS = 3.0, 3.75  # a new request starts at r = 0.8, worth about three verify steps
 PROBE_WAIT, MAX_PROBE_WAIT = 4, 64
+MAX_QUIET_WAIT = 8  # async scheduling: the most blind steps between proposals after empty ones
 MATCH_CLASSES = (2, 4, 8, 16)  # drafts' classes by match length: below 2, 2-3, 4-7, 8-15, 16 and more
 
 
@@ -70,6 +81,8 @@ class DraftState:
 class RequestDrafts:
     classes: list[DraftState]
     verifying: int = 0  # the class of the draft in flight
+    quiet: int = 0  # decode steps left that may run blind (async scheduling) after proposals without a draft
+    next_quiet: int = 1
 
 
 class AdaptiveDrafter:
@@ -91,15 +104,41 @@ class AdaptiveDrafter:
             drafts = self.states[request] = RequestDrafts([DraftState() for _ in range(self.num_classes)])
         return drafts
 
-    def propose(self, request: Request, room: int) -> list[int]:
-        """Draft tokens for the request's next step, at most `room`."""
-        drafts = self._request(request)
-        waiting = [state.wait > 0 for state in drafts.classes]
+    def may_draft(self, request: Request) -> bool:
+        """Whether the request's next decode should propose a draft (async scheduling: or else it may run blind).
+        Asks nothing of the proposer: a few comparisons."""
+        if not may_speculate(request):
+            return False
+        drafts = self.states.get(request)
+        return drafts is None or (drafts.quiet == 0 and any(state.wait == 0 for state in drafts.classes))
+
+    def count_blind_step(self, request: Request) -> None:
+        """Async scheduling: the request decodes a step blind, with no draft; its waits count it."""
+        self._count_step(self._request(request))
+
+    @staticmethod
+    def _count_step(drafts: RequestDrafts) -> None:
         for state in drafts.classes:
             state.wait = max(state.wait - 1, 0)
+        drafts.quiet = max(drafts.quiet - 1, 0)
+
+    def propose(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for the request's next step, at most `room`; under a grammar only the prefix it allows."""
+        drafts = self._request(request)
+        draft = self._propose(request, drafts, room)
+        if not draft:
+            drafts.quiet, drafts.next_quiet = drafts.next_quiet, min(2 * drafts.next_quiet, MAX_QUIET_WAIT)
+        return draft
+
+    def _propose(self, request: Request, drafts: RequestDrafts, room: int) -> list[int]:
+        waiting = [state.wait > 0 for state in drafts.classes]
+        self._count_step(drafts)
         if all(waiting) or room <= 0:
             return []  # every class is off until its probe: no draft to look for
         draft, match_len = self._draft(request, min(self.max_k, room))
+        structured = request.structured_output_request
+        if draft and structured is not None:  # a grammar: only the prefix it allows can be accepted
+            draft = draft[:structured.draft_length(request.output_token_ids, draft)]
         if not draft:
             return []
         drafts.verifying = match_class(match_len) if self.num_classes > 1 else 0
@@ -133,3 +172,4 @@ class AdaptiveDrafter:
             state.wait, state.next_wait = state.next_wait, min(2 * state.next_wait, MAX_PROBE_WAIT)
         else:
             state.next_wait = PROBE_WAIT
+            drafts.next_quiet = 1

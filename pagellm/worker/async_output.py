@@ -16,6 +16,8 @@ class AsyncModelRunnerOutput:
     def __init__(self, sampled: torch.Tensor, finish: Callable[[list[int]], ModelRunnerOutput]) -> None:
         """`sampled`: the step's sampled token ids (one per logits row); `finish` builds the output from them."""
         self._finish = finish
+        # Speculative method draft_model: the drafts the worker's draft model made for the step (worker.py).
+        self.draft_token_ids: dict[str, list[int]] = {}
         self._ready: torch.cuda.Event | None = None
         if sampled.device.type == "cuda":
             self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
@@ -29,4 +31,7 @@ class AsyncModelRunnerOutput:
         """Wait for the copy (not for later steps) and build the output."""
         if self._ready is not None:
             self._ready.synchronize()
-        return self._finish(self._host.tolist())
+        output = self._finish(self._host.tolist())
+        if self.draft_token_ids:
+            output.draft_token_ids = self.draft_token_ids
+        return output

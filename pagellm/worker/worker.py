@@ -263,6 +263,6 @@ class Worker:
     def _with_drafts(self, result: ModelRunnerOutput | AsyncModelRunnerOutput | None
                      ) -> ModelRunnerOutput | AsyncModelRunnerOutput | None:
         """The step's result with the drafts its draft model made (kept until the step samples)."""
-        if isinstance(result, ModelRunnerOutput) and self._step_drafts:
+        if result is not None and self._step_drafts:
             result.draft_token_ids, self._step_drafts = self._step_drafts, {}
         return result

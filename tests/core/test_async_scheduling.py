@@ -1,6 +1,8 @@
 """Async scheduling in the scheduler, driven by hand: batch N+1 is scheduled before batch N's results are applied
 (see core/sched/async_scheduling.py). Checked: which requests continue blind and where they continue, the worker's view
-of their tokens (built from the diffs alone), results applied in order, requests that end in N, no block leaks."""
+of their tokens (built from the diffs alone), results applied in order, requests that end in N, no block leaks; with
+speculative decoding, that a request verifying a draft or about to draft waits and one with nothing to draft does
+not."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +13,14 @@ from scheduler_factories import EOS, TOKEN, make_request, make_scheduler
 from test_scheduler import blocks_of, ids
 from test_scheduler_invariants import workloads
 
-from pagellm.config import SchedulerConfig
+from pagellm.config import SchedulerConfig, SpeculativeConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import RequestStatus
+from pagellm.core.sched.async_scheduling import tokens_after_flight
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.sampling_params import BeamSearchParams
+from pagellm.spec_decode import adaptive
 from pagellm.worker.input_batch import InputBatch
 
 
@@ -155,6 +159,62 @@ def test_an_abort_in_flight_ignores_both_late_results():
     assert sched.update_from_output(first, sampled_for(first)) == ([], [])
     assert sched.update_from_output(second, sampled_for(second)) == ([], [])
     assert not sched.in_flight and sched.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+def spec_scheduler(monkeypatch, prompt_lookup_min: int = 1):
+    """Async scheduling with prompt lookup drafting up to 3 tokens, every draft its full length (the adaptive length
+    follows this host's step times: see tests/spec_decode/test_adaptive.py for the rule itself)."""
+    monkeypatch.setattr(adaptive, "best_length", lambda rate, max_k, *_: max_k)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=3)
+    return make_scheduler(async_scheduling=True, block_size=4, speculative_config=spec)
+
+
+def test_a_request_verifying_a_draft_or_about_to_draft_waits_for_its_batch(monkeypatch):
+    """A verify step emits 1 to k + 1 tokens, so nothing may follow it blind; a request that would draft next waits
+    too, since its draft is made from the token in flight. The engine then collects before scheduling."""
+    sched = spec_scheduler(monkeypatch)
+    sched.add_request(make_request("r", prompt=[5, 6, 7, 8] * 3, max_tokens=20))
+    prefill = sched.schedule()
+    first = sched.schedule()  # the first sample in flight: nothing to draft from yet, so the first decode runs blind
+    assert [(s.pending_token, s.spec_token_ids) for s in first.scheduled] == [(True, [])]
+    sched.update_from_output(prefill, sampled_for(prefill, {"r": 5}))
+    assert not sched.can_schedule_ahead() and sched.schedule().is_empty  # r would draft: it waits for `first`
+    sched.update_from_output(first, sampled_for(first, {"r": 6}))
+    verify = sched.schedule()
+    (scheduled,) = verify.scheduled
+    # ... 5 6 7 8 5 6: the suffix 8 5 6 occurred before, followed by 7 8 5.
+    assert (scheduled.pending_token, scheduled.spec_token_ids, scheduled.num_tokens) == (False, [7, 8, 5], 4)
+    request = sched.requests["r"]
+    assert tokens_after_flight(request, scheduled, 64) is None
+    assert not sched.can_schedule_ahead() and sched.schedule().is_empty
+    # Two drafts kept, the third rejected (the sample there is 9): three tokens emitted.
+    sched.update_from_output(verify, {"r": [7, 8, 9, 1]})
+    assert request.output_token_ids == [5, 6, 7, 8, 9] and request.num_computed_tokens == 12 + 4
+    assert sched.spec_decoding_stats.num_accepted_tokens == 2
+    after = sched.schedule()
+    assert [(s.num_computed_tokens, s.pending_token, s.new_token_ids) for s in after.scheduled] == [
+        (16, False, [7, 8, 9])]
+    sched.check_consistency()
+
+
+def test_a_request_with_nothing_to_draft_runs_blind_and_asks_again_later(monkeypatch):
+    """Text that does not repeat: after an empty proposal the next decode runs blind (the engine keeps scheduling
+    ahead), and the blind step counts toward the next proposal."""
+    sched = spec_scheduler(monkeypatch, prompt_lookup_min=2)
+    sched.add_request(make_request("r", prompt=4, max_tokens=20))
+    prefill, first = sched.schedule(), sched.schedule()
+    sched.update_from_output(prefill, sampled_for(prefill, {"r": 10}))
+    sched.update_from_output(first, sampled_for(first, {"r": 11}))
+    plain = sched.schedule()  # no bigram recurs: no draft
+    assert [(s.pending_token, s.spec_token_ids) for s in plain.scheduled] == [(False, [])]
+    assert sched.can_schedule_ahead()
+    blind = sched.schedule()
+    assert [(s.pending_token, s.spec_token_ids) for s in blind.scheduled] == [(True, [])]
+    sched.update_from_output(plain, sampled_for(plain, {"r": 12}))
+    assert not sched.can_schedule_ahead(), "after its quiet step it proposes again, so it waits"
+    sched.update_from_output(blind, sampled_for(blind, {"r": 13}))
+    assert sched.requests["r"].output_token_ids == [10, 11, 12, 13]
+    sched.check_consistency()
 
 
 # ---- random workloads, driven as EngineCore drives an async-scheduling scheduler --------------------------------

@@ -1,6 +1,8 @@
 """Speculative decoding (ngram prompt lookup) end to end on a tiny random-weight model: greedy outputs are
 token-identical to transformers' greedy decoding and to the engine without speculation, under chunked prefill,
-prefix caching, preemption and n > 1, with drafts actually accepted; logprobs are the target model's."""
+prefix caching, preemption and n > 1, with drafts actually accepted; logprobs are the target model's. With
+--async-scheduling too (ngram and suffix): the same tokens as the plain engine, drafting requests verifying while
+the others decode blind, counters that match the drafts verified, and no block left held."""
 from __future__ import annotations
 
 import pytest
@@ -64,9 +66,10 @@ def token_ids(outputs) -> list[list[list[int]]]:
     return [[list(c.token_ids) for c in o.outputs] for o in outputs]
 
 
-def test_greedy_matches_transformers_and_drafts_are_accepted(tiny, prompts):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_matches_transformers_and_drafts_are_accepted(tiny, prompts, async_scheduling):
     model_dir, hf = tiny
-    llm = make_llm(model_dir, spec=True)
+    llm = make_llm(model_dir, spec=True, async_scheduling=async_scheduling)
     outputs = llm.generate(prompts, greedy())
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == hf_greedy(hf, prompt["prompt_token_ids"], 24)
@@ -87,22 +90,22 @@ def test_greedy_matches_transformers_and_drafts_are_accepted(tiny, prompts):
     assert samples["pagellm:spec_decode_num_accepted_tokens_per_pos_total" + first] > 0
 
 
-@pytest.mark.parametrize("case", ["chunked-prefill", "prefix-caching", "preemption"])
+@pytest.mark.parametrize("case", ["chunked-prefill", "prefix-caching", "preemption", "preemption-async"])
 def test_identical_to_no_speculation(tiny, prompts, pool_bytes, case):
     model_dir, _ = tiny
     kwargs = {"chunked-prefill": {"max_num_batched_tokens": 16},
               "prefix-caching": {"enable_prefix_caching": True},
               # 16 blocks of 16 for 4 sequences growing to 63-95 tokens (21 blocks): some are preempted.
-              "preemption": {"kv_cache_memory_bytes": pool_bytes(model_dir, 16, 16)}}[case]
+              "preemption": {"kv_cache_memory_bytes": pool_bytes(model_dir, 16, 16)}}[case.removesuffix("-async")]
     expected = token_ids(make_llm(model_dir, spec=False, **kwargs).generate(prompts, greedy(40)))
-    llm = make_llm(model_dir, spec=True, **kwargs)
+    llm = make_llm(model_dir, spec=True, async_scheduling=case.endswith("-async"), **kwargs)
     # Twice over the same prompts: the second round hits the prefix cache (when on).
     for _ in range(2):
         assert token_ids(llm.generate(prompts, greedy(40))) == expected
     scheduler = llm.llm_engine.engine_core.scheduler
     assert scheduler.spec_decoding_stats.num_accepted_tokens > 0
     scheduler.check_consistency()
-    if case == "preemption":
+    if case.startswith("preemption"):
         assert scheduler.num_preemptions_total > 0, "the pool was meant to force preemption"
 
 
@@ -156,11 +159,14 @@ def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> torch.Te
     return logits.float().log_softmax(-1)
 
 
-def test_sampled_requests_speculate_within_the_target_and_with_its_logprobs(tiny, prompts):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sampled_requests_speculate_within_the_target_and_with_its_logprobs(tiny, prompts, async_scheduling,
+                                                                            no_leaks):
     """Temperature > 0 speculates (rejection sampling; its statistics are in tests/spec_decode): every emitted token,
-    drafted or not, lies in transformers' top-k at its position, and its logprobs are transformers'."""
+    drafted or not, lies in transformers' top-k at its position, and its logprobs are transformers'; every block
+    comes back."""
     model_dir, hf = tiny
-    llm = make_llm(model_dir, spec=True)
+    llm = make_llm(model_dir, spec=True, async_scheduling=async_scheduling)
     params = SamplingParams(temperature=0.5, top_k=3, max_tokens=24, ignore_eos=True, logprobs=1)
     outputs = llm.generate(prompts, params)
     assert accepted(llm) > 0, "drafts were meant to be kept at temperature > 0 too"
@@ -170,7 +176,7 @@ def test_sampled_requests_speculate_within_the_target_and_with_its_logprobs(tiny
         for position, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
             assert token in reference[position].topk(3).indices.tolist()
             assert entry[token].logprob == pytest.approx(reference[position, token].item(), abs=1e-3)
-    llm.llm_engine.engine_core.scheduler.check_consistency()
+    no_leaks(llm)
 
 
 def test_seeded_sampling_matches_no_speculation_alone_and_in_a_batch(tiny, prompts):
@@ -188,3 +194,59 @@ def test_seeded_sampling_matches_no_speculation_alone_and_in_a_batch(tiny, promp
     extra = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True), greedy(8)]
     together = token_ids(llm.generate(prompts[::-1] + prompts[:2], seeded[::-1] + extra))
     assert together[:len(prompts)] == expected[::-1]
+
+
+# ---- with --async-scheduling ---------------------------------------------------------------------------------------
+def record_submitted(llm: LLM) -> list:
+    """Every batch the engine submits from now on (async scheduling submits through either call)."""
+    executor = llm.llm_engine.engine_core.executor
+    submitted: list = []
+    submit_model, submit_forward = executor.submit_model, executor.submit_forward
+
+    def recording_submit_model(output, bitmask=None):
+        submitted.append(output)
+        return submit_model(output, bitmask)
+
+    def recording_submit_forward(output):
+        submitted.append(output)
+        return submit_forward(output)
+
+    executor.submit_model, executor.submit_forward = recording_submit_model, recording_submit_forward
+    return submitted
+
+
+@pytest.fixture(scope="module")
+def mixed_batch(tiny, prompts, make_token_prompts):
+    """Repeating prompts (drafting) beside random ones (little to draft), greedy (one with n = 2), seeded sampling
+    and a grammar, with the tokens of the engine without speculation and without async scheduling."""
+    from pagellm.sampling_params import StructuredOutputsParams
+
+    mixed = prompts + make_token_prompts([6, 19, 33], seed=5) + prompts[:2]
+    params = [greedy(32), greedy(32, n=2), greedy(32), greedy(32), greedy(32), greedy(24), greedy(32),
+              SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=32, ignore_eos=True),
+              greedy(16, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,12}"))]
+    return mixed, params, token_ids(make_llm(tiny[0], spec=False).generate(mixed, params))
+
+
+@pytest.mark.parametrize("spec", [SPEC, {"method": "suffix", "num_speculative_tokens": 4}], ids=["ngram", "suffix"])
+def test_async_scheduling_gives_the_plain_engine_s_tokens(tiny, mixed_batch, no_leaks, spec):
+    """The plain engine's tokens (it equals transformers: tests/entrypoints/test_llm_async_scheduling.py), greedy
+    ones checked against transformers here too. Drafting requests verify drafts while others decode blind, and the
+    counters match the drafts verified."""
+    model_dir, hf = tiny
+    mixed, params, expected = mixed_batch
+    llm = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=16, kv_cache_memory_bytes=8 << 20,
+              speculative_config=dict(spec), async_scheduling=True)
+    submitted = record_submitted(llm)
+    outputs = llm.generate(mixed, params)
+    assert token_ids(outputs) == expected
+    for prompt, output, p in zip(mixed[:4], outputs, params):
+        assert list(output.outputs[0].token_ids) == hf_greedy(hf, prompt["prompt_token_ids"], p.max_tokens)
+    verified = [s for output in submitted for s in output.scheduled if s.spec_token_ids]
+    assert verified and any(s.pending_token for output in submitted for s in output.scheduled)
+    assert all(not s.pending_token for s in verified), "a draft is verified only after the batch before is back"
+    stats = llm.llm_engine.engine_core.scheduler.spec_decoding_stats
+    assert stats.num_drafts == len(verified) and stats.num_accepted_tokens > 0
+    assert stats.num_draft_tokens == sum(len(s.spec_token_ids) for s in verified)
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+    no_leaks(llm)

@@ -1,11 +1,14 @@
 """The adaptive draft length: a request's drafts follow its acceptance, stop when they do not pay, and come back
-through probes whose spacing doubles while they fail."""
+through probes whose spacing doubles while they fail; with async scheduling a request that drafts asks for a draft
+every step, one whose drafting is off runs blind (its waits still counting) and probes again."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
 import pytest
+from scheduler_factories import make_request
 
 from pagellm.config import SpeculativeConfig
 from pagellm.spec_decode import adaptive
@@ -18,6 +21,7 @@ from pagellm.spec_decode.suffix_proposer import SuffixDraft, SuffixProposer
 class FakeRequest:
     # A sequence that always repeats: prompt lookup always finds a draft.
     all_token_ids: list[int] = field(default_factory=lambda: [5, 6, 7, 8, 9] * 6)
+    structured_output_request: None = None
 
 
 def drafter(k: int = 4) -> AdaptiveDrafter:
@@ -119,3 +123,68 @@ def test_suffix_drafts_keep_a_rate_per_match_length():
     assert 0 not in lengths[20] and lengths[20][-1] >= 2
     assert sum(lengths[1][20:]) <= 4, "short matches stopped drafting but for a few one-token probes"
     assert d.states[request].classes[adaptive.match_class(1)].rate < 0.2
+
+
+# ---- async scheduling: may_draft decides between waiting for the batch in flight and a blind step ------------------
+def repeating_request():
+    """A decoding request (one output token so far) whose tokens always repeat: prompt lookup always drafts."""
+    request = make_request("r", prompt=[5, 6, 7, 8, 9] * 6, max_tokens=1000)
+    request.append_output_token(5)
+    return request
+
+
+def run_async(d: AdaptiveDrafter, request, steps: int, accept) -> tuple[list[int], list[bool]]:
+    """As `run`, the planner's way under async scheduling: a request that may draft proposes (it waits for its batch
+    in flight), any other runs blind. Returns each step's draft length and whether it proposed."""
+    lengths, asked = [], []
+    for step in range(steps):
+        asked.append(d.may_draft(request))
+        if asked[-1]:
+            draft = d.propose(request, room=100)
+            if draft:
+                d.observe(request, len(draft), accept(step, draft))
+        else:
+            d.count_blind_step(request)
+            draft = []
+        lengths.append(len(draft))
+    return lengths, asked
+
+
+def test_async_a_request_whose_drafts_pay_proposes_every_step():
+    lengths, asked = run_async(drafter(), repeating_request(), 30, lambda step, draft: len(draft))
+    assert all(asked) and 0 not in lengths
+
+
+def test_async_a_request_whose_drafts_fail_runs_blind_and_still_probes():
+    """Prompt lookup's drafts all fail: the request soon runs blind (the async overlap kept) but for about one step
+    in nine, and its blind steps count toward the probe waits, so one-token probes keep coming."""
+    lengths, asked = run_async(drafter(), repeating_request(), 400, lambda step, draft: 0)
+    probes = [i for i in range(100, 400) if lengths[i]]
+    assert probes and all(lengths[i] == 1 for i in probes)
+    # A proposal after every MAX_QUIET_WAIT blind steps, and one more after each probe.
+    assert sum(asked[100:]) <= 300 / (adaptive.MAX_QUIET_WAIT + 1) + len(probes) + 1
+    assert all(b - a <= adaptive.MAX_PROBE_WAIT + adaptive.MAX_QUIET_WAIT + 1 for a, b in zip(probes, probes[1:]))
+
+
+def test_async_a_draft_model_that_is_off_probes_when_it_would_without_async_scheduling():
+    """A draft model's drafts are one class: once off, the request may not draft (it runs blind) until the wait is
+    over, and its probes come at the very steps they come without async scheduling."""
+    config = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+    sync_lengths = run(AdaptiveDrafter(config), repeating_request(), 150, lambda step, draft: 0)
+    lengths, asked = run_async(AdaptiveDrafter(config), repeating_request(), 150, lambda step, draft: 0)
+    assert lengths == sync_lengths
+    assert asked == [n > 0 for n in lengths], "it proposes exactly at its drafts and probes, else runs blind"
+
+
+def test_async_a_request_with_no_draft_to_find_asks_less_and_less_often():
+    """Text that does not repeat: each empty proposal doubles the blind steps before the next one, up to
+    MAX_QUIET_WAIT; a request that may not speculate at all (penalties) never waits for a draft."""
+    request = make_request("r", prompt=[1, 2, 3, 4], max_tokens=1000)
+    request.append_output_token(9)
+    _, asked = run_async(drafter(), request, 40, lambda step, draft: 0)
+    proposals = [i for i, a in enumerate(asked) if a]
+    gaps = [b - a - 1 for a, b in zip(proposals, proposals[1:])]
+    assert gaps[:4] == [1, 2, 4, 8] and set(gaps[4:]) == {adaptive.MAX_QUIET_WAIT}
+    penalized = repeating_request()
+    penalized.sampling_params = dataclasses.replace(penalized.sampling_params, repetition_penalty=1.2)
+    assert not drafter().may_draft(penalized)

@@ -1,10 +1,10 @@
 """Speculative method `draft_model` (worker/draft_proposer.py) end to end on tiny random-weight models sharing
 SmolLM2's vocabulary: greedy outputs are transformers' greedy decoding of the target, token for token, whatever the
 draft (the target's own weights, whose drafts must then all be accepted; a near copy, accepted in part; another
-model, rejected), and identical to no speculation under chunked prefill, prefix caching, preemption, n > 1 and
-constrained requests beside drafting ones; every draft is transformers' greedy continuation under the draft model
-(its K/V, caught up and rolled back, holds the request's tokens); the default model's Q4_1 file drafts for its
-float32 self; bad settings are refused naming the field."""
+model, rejected), and identical to no speculation under chunked prefill, prefix caching, preemption, n > 1,
+constrained requests beside drafting ones and async scheduling; every draft is transformers' greedy continuation
+under the draft model (its K/V, caught up and rolled back, holds the request's tokens); the default model's Q4_1
+file drafts for its float32 self; bad settings are refused naming the field."""
 from __future__ import annotations
 
 import pytest
@@ -168,6 +168,25 @@ def test_seeded_sampling_matches_no_speculation(target, drafts, prompts):
     llm = make_llm(model_dir, drafts["near"])
     assert token_ids(llm.generate(prompts, seeded)) == expected
     assert stats(llm).num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("draft", ["self", "near"])
+def test_async_scheduling_identical_to_no_speculation(target, drafts, prompts, draft):
+    """With async scheduling a request verifying a draft waits for its batch, the worker's drafts come back with the
+    step's deferred output (the target's own weights as the draft: every one kept), and nothing leaks."""
+    model_dir, _ = target
+    params = [greedy(24, n=2), greedy(16, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,12}")),
+              greedy(24), greedy(24)]
+    if draft == "near":  # a sampled request too (the target's own draft would then no longer be kept whole)
+        params[2] = SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=24, ignore_eos=True)
+    expected = token_ids(make_llm(model_dir).generate(prompts, params))
+    llm = make_llm(model_dir, drafts[draft], async_scheduling=True)
+    assert token_ids(llm.generate(prompts, params)) == expected
+    spec = stats(llm)
+    assert spec.num_drafts > 0 and (spec.acceptance_rate == 1.0 if draft == "self" else spec.num_accepted_tokens > 0)
+    scheduler = llm.llm_engine.engine_core.scheduler
+    scheduler.check_consistency()
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == scheduler.kv_cache_manager.block_pool.num_blocks
 
 
 def test_the_default_models_q4_1_file_drafts_for_its_float32_self(smollm2_dir):

@@ -170,7 +170,7 @@ def test_the_scheduler_verifies_the_allowed_draft_under_a_row_per_position(backe
     sched.start_grammar_bitmask(out).result()
     sched.update_from_output(out, {"c": yes[:1]})
     drafts = iter([comma_no + smollm2_tokenizer.encode(" maybe") + comma_no, comma_no + dot + comma_no])
-    sched.planner.drafter.propose = lambda request, room: next(drafts)
+    sched.planner.drafter.proposer.draft = lambda token_ids, max_tokens=None: (next(drafts), 3)
 
     out = sched.schedule()
     assert out.scheduled[0].spec_token_ids == comma_no  # ", maybe" is not in the language
@@ -305,12 +305,15 @@ def test_greedy_matches_masked_transformers_and_no_speculation(tiny, smollm2_tok
     llm.llm_engine.engine_core.scheduler.check_consistency()
 
 
-def test_seeded_sampling_stays_in_the_language_and_matches_no_speculation(tiny, smollm2_tokenizer, reference_tokenizer):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_seeded_sampling_stays_in_the_language_and_matches_no_speculation(tiny, smollm2_tokenizer, reference_tokenizer,
+                                                                          async_scheduling):
     """Seeded rows draw by output position (worker/sampling_inputs.py), so a seeded request gets the same tokens
-    with speculation as without; n = 2 forks the grammar at the first sample, then each sequence speculates.
-    (Speculation with --async-scheduling is refused at configuration, see config.py.)"""
+    with speculation as without; n = 2 forks the grammar at the first sample, then each sequence speculates. With
+    async scheduling too (compared with the synchronous engine without speculation): drafting sequences wait for
+    their batch, the others' bitmasks follow their blind tokens."""
     model_dir, _ = tiny
-    llm = make_llm(model_dir, spec=True)
+    llm = make_llm(model_dir, spec=True, async_scheduling=async_scheduling)
     sampling = dict(temperature=0.8, seed=5, n=2)
     outputs = run(llm, smollm2_tokenizer, **sampling)
     base = make_llm(model_dir, spec=False)

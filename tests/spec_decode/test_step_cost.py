@@ -90,6 +90,7 @@ def test_expensive_verify_steps_switch_drafting_off():
 
     class Request:
         all_token_ids = [5, 6, 7, 8] * 5
+        structured_output_request = None
 
     request, lengths = Request(), []
     for _ in range(30):

@@ -121,7 +121,8 @@ class BatchPlanner:
             return request.num_tokens - request.num_computed_tokens
         if not self.config.async_scheduling:
             return None
-        return tokens_after_flight(request, flight, self.max_model_len)
+        drafts_next = self.drafter is not None and self.drafter.may_draft(request)
+        return tokens_after_flight(request, flight, self.max_model_len, drafts_next)
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int, limit: int, limits: StepLimits) -> int:
         """Give the running requests their tokens, in order, preempting while the pool is short; returns the token
@@ -139,7 +140,7 @@ class BatchPlanner:
                 index += 1
                 continue
             num_new = min(num_new, token_budget)
-            draft = self._draft(request, token_budget) if num_new == 1 and flight is None else []
+            draft = self._draft(request, token_budget, flight) if num_new == 1 else []
             num_new += len(draft)  # look-ahead slots: the draft is verified in the same pass
             # Slots for the tokens of its batch in flight were allocated when that batch was scheduled.
             allocated = self._allocate_or_preempt(request, (flight.num_tokens if flight else 0) + num_new, index,
@@ -156,18 +157,20 @@ class BatchPlanner:
             index += 1
         return token_budget
 
-    def _draft(self, request: Request, token_budget: int) -> list[int]:
+    def _draft(self, request: Request, token_budget: int, flight: ScheduledRequest | None) -> list[int]:
         """Speculative decoding: the draft tokens a decoding request verifies this step, within the token budget,
-        and no more than could be emitted before max_tokens or max_model_len."""
+        and no more than could be emitted before max_tokens or max_model_len. A decode that runs blind (async
+        scheduling: its input is the token its batch in flight samples) drafts nothing, but the drafter counts the
+        step (see spec_decode/adaptive.py)."""
         if self.drafter is None or not may_speculate(request):
+            return []
+        if flight is not None:
+            if flight.needs_sample:
+                self.drafter.count_blind_step(request)
             return []
         room = min(token_budget, request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
-        draft = self.drafter.propose(request, room)
-        structured = request.structured_output_request
-        if draft and structured is not None:  # a grammar: only the prefix it allows can be accepted
-            draft = draft[:structured.draft_length(request.output_token_ids, draft)]
-        return draft
+        return self.drafter.propose(request, room)
 
     def _allocate_or_preempt(self, request: Request, num_slots: int, index: int, output: SchedulerOutput) -> bool:
         """Allocate `num_slots` slots after the request's computed tokens, preempting running requests from
