@@ -170,20 +170,16 @@ def test_seeded_sampling_matches_no_speculation(target, drafts, prompts):
     assert stats(llm).num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("draft", ["self", "near"])
-def test_async_scheduling_identical_to_no_speculation(target, drafts, prompts, draft):
-    """With async scheduling a request verifying a draft waits for its batch, the worker's drafts come back with the
-    step's deferred output (the target's own weights as the draft: every one kept), and nothing leaks."""
+def test_async_scheduling_identical_to_no_speculation(target, drafts, prompts):
+    """With async scheduling a request verifying a draft waits for its batch, and the worker's drafts come back with
+    the step's deferred output (placeholders left in their stead would never be kept); nothing leaks."""
     model_dir, _ = target
     params = [greedy(24, n=2), greedy(16, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,12}")),
-              greedy(24), greedy(24)]
-    if draft == "near":  # a sampled request too (the target's own draft would then no longer be kept whole)
-        params[2] = SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=24, ignore_eos=True)
+              SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=24, ignore_eos=True), greedy(24)]
     expected = token_ids(make_llm(model_dir).generate(prompts, params))
-    llm = make_llm(model_dir, drafts[draft], async_scheduling=True)
+    llm = make_llm(model_dir, drafts["near"], async_scheduling=True)
     assert token_ids(llm.generate(prompts, params)) == expected
-    spec = stats(llm)
-    assert spec.num_drafts > 0 and (spec.acceptance_rate == 1.0 if draft == "self" else spec.num_accepted_tokens > 0)
+    assert 0 < stats(llm).num_accepted_tokens < stats(llm).num_draft_tokens
     scheduler = llm.llm_engine.engine_core.scheduler
     scheduler.check_consistency()
     assert scheduler.kv_cache_manager.block_pool.num_free_blocks == scheduler.kv_cache_manager.block_pool.num_blocks
