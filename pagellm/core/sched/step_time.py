@@ -5,8 +5,8 @@
 `rows`: sequences in the step; `context`: the positions they attend over (computed + new, summed over rows);
 `extra_tokens`: tokens beyond one per row (prompt chunks, draft tokens). The engine measures each step and hands
 the time down (`Scheduler.observe_step_time`); the coefficients are a non-negative least-squares fit over the recent
-steps (a step never gets cheaper with more work). Steps with and without extra tokens are kept apart, so a long run
-of decodes does not push the prefill cost out of the window.
+steps (a step never gets cheaper with more work), each step weighed by its relative error. Steps with and without
+extra tokens are kept apart, so a long run of decodes does not push the prefill cost out of the window.
 
 A fit from steps that all had the same number of rows cannot tell the fixed cost `a` from the per-row cost `b`;
 the non-negative fit then charges it all per row, so a cap computed from it errs small (charging it to `a` made the
@@ -85,13 +85,17 @@ class StepTimeModel:
         # time per row and the cap errs small), the large columns scaled to comparable sizes.
         order = [1, 0, 2, 3]
         scale = np.array([1.0, 1.0, *np.maximum(x[:, 2:].max(axis=0), 1.0)])
-        x = x[:, order] / scale
-        coef, _ = nnls(x, y)
+        # Each step weighs by its relative error (its equation divided by its time): in seconds, a few long prompt
+        # steps outweighed the many decode steps whose time the cap turns on (a loaded host's fit put a 13 ms decode
+        # at 40 ms, and the cap at one row).
+        x = x[:, order] / scale / y[:, None]
+        ones = np.ones_like(y)
+        coef, _ = nnls(x, ones)
         # Once more without the steps the fit misses by far (a stall of a shared host).
-        residual = np.abs(x @ coef - y)
-        kept = residual <= OUTLIER_FACTOR * np.median(residual) + 1e-4
+        residual = np.abs(x @ coef - ones)
+        kept = residual <= OUTLIER_FACTOR * np.median(residual) + 1e-3
         if kept.sum() >= MIN_STEPS and not kept.all():
-            coef, _ = nnls(x[kept], y[kept])
+            coef, _ = nnls(x[kept], ones[kept])
         self.coef = (coef / scale)[np.argsort(order)]
 
     def predict(self, shape: StepShape) -> float:
