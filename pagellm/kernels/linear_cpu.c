@@ -7,14 +7,14 @@
  * regroups each block's products around its scales, d * sum(q x) + m * sum(x): the same sum up to float32
  * rounding. A matrix with `int8_activations` set takes llama.cpp's arithmetic on that path instead (linear_int8.inc).
  *
- * Work split: for a few activation rows (up to PACKED_FUSED_MAX_ROWS, INT8_MAX_ROWS with int8 activations,
- * FUSED_MAX_M for float weights) each block is decoded in registers, once for every FUSED_MAX_M of them (WIDE_MAX_M
- * for the 32-weight types with AVX-512), streaming the packed weights once; 32-weight block types go four weight rows
- * at a time through the interleaved layout (ggml_blocks.h), which kernels/linear.py gives them when they are loaded.
- * For more rows (prefill), the weight is dequantized once per call, a slice of a few rows at a time that stays in cache
- * while it meets every activation row in a register-blocked outer product (linear_tiles.inc). The portable path
- * dequantizes TILE_ROWS rows at a time into a buffer instead. Work is spread over OpenMP threads (the process's
- * libgomp: the same pool PyTorch uses).
+ * Work split: for a few activation rows (up to GROUP_FUSED_MAX_ROWS or SUPER_FUSED_MAX_ROWS, INT8_MAX_ROWS with int8
+ * activations, FUSED_MAX_M for float weights) each block is decoded in registers, once for every FUSED_MAX_M of them
+ * (WIDE_MAX_M for the 32-weight types with AVX-512), streaming the packed weights once; 32-weight block types go four
+ * weight rows at a time through the interleaved layout (ggml_blocks.h), which kernels/linear.py gives them when they
+ * are loaded. For more rows (prefill), the weight is dequantized once per call, a slice of a few rows at a time that
+ * stays in cache while it meets every activation row in a register-blocked outer product (linear_tiles.inc). The
+ * portable path dequantizes TILE_ROWS rows at a time into a buffer instead. Work is spread over OpenMP threads (the
+ * process's libgomp: the same pool PyTorch uses).
  *
  * Each function has an AVX2+FMA+F16C version (target attribute) and a portable scalar version; the caller picks
  * with `use_avx2`, after asking pagellm_cpu_has_avx2(). The tile path and the small-M path's float32-activation
@@ -146,14 +146,17 @@ AVX2 static inline float hsum(__m256 v) {
 /* The AVX-512 group kernel's (32-weight types): its 32 registers hold 8 rows' accumulators, so a speculative verify
  * step's 5-8 rows decode each block once instead of twice. A row's floats do not depend on the rows beside it. */
 #define WIDE_MAX_M 8
-/* Up to how many rows the small-M path beats dequantized tiles, calling the kernels FUSED_MAX_M rows at a time
- * (measured on SmolLM2's layer shapes, 2 threads): packed weights up to 8 rows (1.1-1.3x, 0.86x at 12; against
- * linear_tiles.inc on TinyLlama's, 1.0-1.2x at 8); with int8 activations up to 48 on the 32-weight types (1.8x at
- * 8; at 48 even on Q4_1; 0.9x at 128 against linear_tiles.inc); float weights only at FUSED_MAX_M (0.96x at 5).
- * K-quants with int8 activations take the small-M path at any length: against linear_tiles.inc on TinyLlama's
- * shapes it measured 1.2-1.25x at 64 rows and 1.05-1.15x at 512 (Q3_K 1.1x at 64, even from 128). The limits are
- * the same with and without AVX-512: the two paths compute different floats, and every CPU must pick the same. */
-#define PACKED_FUSED_MAX_ROWS 8
+/* Up to how many rows the small-M path beats dequantized tiles (measured on SmolLM2's layer shapes, 2 threads, AMD
+ * Zen 5): the 32-weight types up to 12 rows (AVX-512, 8 rows a pass: 1.75-2.1x at 9 rows, 1.5-1.8x at 12; AVX2, 4
+ * a pass: 1.05-1.4x at 9, 0.85-1.35x at 12 (Q5_1 and IQ4_NL lose, Q4_0 and Q8_0 win, Q4_1 even); at 16 AVX2 fell to
+ * 0.7-0.85x); K-quants and IQ4_XS up to 8 (their 4-row passes at 12: 0.6-0.85x); with int8 activations up to 48 on
+ * the 32-weight types (1.8x at 8; at 48 even on Q4_1; 0.9x at 128 against linear_tiles.inc); float weights only at
+ * FUSED_MAX_M (0.96x at 5). K-quants with int8 activations take the small-M path at any length: against
+ * linear_tiles.inc on TinyLlama's shapes it measured 1.2-1.25x at 64 rows and 1.05-1.15x at 512 (Q3_K 1.1x at 64,
+ * even from 128). The limits are the same with and without AVX-512: the two paths compute different floats, and
+ * every CPU must pick the same. */
+#define GROUP_FUSED_MAX_ROWS 12
+#define SUPER_FUSED_MAX_ROWS 8
 #define INT8_MAX_ROWS 48
 
 /* One call per m (1..FUSED_MAX_M), each a constant the kernel is specialised for. Kept as a table, one case a line
@@ -316,8 +319,10 @@ static int matmul_into(const pagellm_matrix *w, const float *x, int64_t m, int64
         }
         return 0;
     }
-    const int64_t small = int8 ? (is_k_type(w->type) ? m : INT8_MAX_ROWS)
-                               : (is_float_type(w->type) ? FUSED_MAX_M : PACKED_FUSED_MAX_ROWS);
+    const int64_t small = int8                     ? (is_k_type(w->type) ? m : INT8_MAX_ROWS)
+                          : is_float_type(w->type) ? FUSED_MAX_M
+                          : is_k_type(w->type)     ? SUPER_FUSED_MAX_ROWS
+                                                   : GROUP_FUSED_MAX_ROWS;
     if (w->use_avx2 && m <= small && k % 32 == 0) {
         /* one allocation: exact sums over 32 and over 16, then (int8) scales, sums of 16 and the int8 rows, or
          * (float32 activations, strided levels) the activations permuted to the order the levels are decoded in */

@@ -169,16 +169,18 @@ def test_avx512_small_batches_compute_the_avx2_floats(threads, qtype):
 @pytest.mark.parametrize("qtype", [t for t in TYPES + K_TYPES if t not in (QT.F32, QT.F16, QT.BF16)],
                          ids=lambda t: t.name)
 def test_each_small_batch_row_gets_the_floats_it_gets_alone(isa, qtype):
-    """A speculative verify step multiplies 2-8 rows where plain decoding multiplies one; greedy output stays the
-    same only if every row's floats do not depend on the rows beside it (the AVX-512 group kernel takes 5-8 rows in
-    one pass, the others four at a time). Groups of four weight rows with 3 left outside them."""
-    in_features = 512 if qtype in K_TYPES else 288
+    """A speculative verify step multiplies 2-12 rows where plain decoding multiplies one; greedy output stays the
+    same only if every row's floats do not depend on the rows beside it, up to the most rows the small-M path takes
+    (12 of the 32-weight types, 8 of the super-block types; the AVX-512 group kernel takes 8 rows a pass, the others
+    four). Groups of four weight rows with 3 left outside them."""
+    super_blocks = qtype in K_TYPES
+    in_features, most = (512, 8) if super_blocks else (288, 12)
     rng = np.random.default_rng(5)
     packed = encode(rng.standard_normal((43, in_features)).astype(np.float32), qtype)
     matmul = kernels.PackedMatmul(torch.from_numpy(packed), qtype, in_features)
-    x = torch.from_numpy(rng.standard_normal((8, in_features)).astype(np.float32))
-    alone = torch.cat([matmul(x[i:i + 1]) for i in range(8)])
-    for rows in range(2, 9):
+    x = torch.from_numpy(rng.standard_normal((most, in_features)).astype(np.float32))
+    alone = torch.cat([matmul(x[i:i + 1]) for i in range(most)])
+    for rows in range(2, most + 1):
         assert torch.equal(matmul(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
