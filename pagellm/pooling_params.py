@@ -1,7 +1,7 @@
 """User-facing pooling parameters (vLLM's `PoolingParams`): what a prefill-only request returns instead of tokens.
 
 `task="embed"` pools the final hidden states of the prompt (the engine's pooling type: LAST, MEAN or CLS; see
-`PoolerConfig` in config.py), optionally truncated to `dimensions` (Matryoshka) and L2-normalised.
+`PoolerConfig` in config/model.py), optionally truncated to `dimensions` (Matryoshka) and L2-normalised.
 `task="classify"` returns the logits of `returned_token_ids` at the prompt's last position (a causal LM read as a
 classifier, as the Qwen3-Reranker yes/no score does).
 

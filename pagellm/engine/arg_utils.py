@@ -71,7 +71,7 @@ class EngineArgs:
     async_scheduling: bool = SchedulerConfig.async_scheduling
     structured_outputs_disable_additional_properties: bool = StructuredOutputsConfig.disable_additional_properties
     reasoning_parser: str | None = StructuredOutputsConfig.reasoning_parser
-    runner: str = "auto"  # RUNNERS: "auto" is "generate" (see config.py)
+    runner: str = "auto"  # RUNNERS: "auto" is "generate" (see config/model.py)
     # vLLM's PoolerConfig, as a PoolerConfig or its fields ({"pooling_type": "MEAN", "normalize": False}); None: the
     # model's default (PoolerConfig()). `pooling` sets only its pooling_type (pagellm's shorthand, --pooling).
     pooler_config: PoolerConfig | dict | None = None
