@@ -53,6 +53,7 @@ logger = init_logger(__name__)
 
 _POLL_SECONDS = 0.05
 _SHUTDOWN_GRACE_SECONDS = 5.0
+_DEATH_GRACE_SECONDS = 1.0  # how long a failed collective waits to see whether a rank died (see _dead_worker)
 
 
 @dataclass
@@ -163,14 +164,21 @@ class MultiprocExecutor(Executor):
                 # The other ranks may be waiting in a collective this rank never reached: the group is unusable.
                 # A rank that died is why a collective failed on the others: it is named first, whichever of the
                 # two reached this process first.
-                dead = [w for w in self.workers if not w.process.is_alive()]
-                if dead:
-                    message = f"{self._exit_message(dead[0])}\n{message}"
+                dead = self._dead_worker()
+                if dead is not None:
+                    message = f"{self._exit_message(dead)}\n{message}"
                 raise EngineDeadError(self._fail(message))
             raise RuntimeError(message)
         return payload
 
     # ---- failure ----------------------------------------------------------------------------------------------
+    def _dead_worker(self) -> _WorkerProcess | None:
+        """A rank that has exited, waiting up to _DEATH_GRACE_SECONDS for one: a killed rank's sockets close (and the
+        others' collectives fail) a moment before its exit can be seen here, longer on a loaded host."""
+        sentinels = {worker.process.sentinel: worker for worker in self.workers}
+        ready = wait(list(sentinels), timeout=_DEATH_GRACE_SECONDS)
+        return sentinels[ready[0]] if ready else None
+
     def _kill_workers(self) -> None:
         for worker in self.workers:
             if worker.process.is_alive():
