@@ -125,8 +125,23 @@ AVX2 static void dequant_row_avx2(const pagellm_matrix *w, int64_t r, int64_t c0
         dequant_row_scalar(w, r, c0, c1, dst);
         return;
     }
-    for (int64_t b = c0 / 32; b < c1 / 32; b++)
-        dequant_block_avx2(w->type, block_at(w->type, w->w, w->row_bytes, w->grouped_rows, r, b), dst + 32 * b - c0);
+    /* One loop per type: with the type a constant, the block's layout and decoding fold into straight-line code
+     * (a switch per block cost about a third of the tiles' dequantization). */
+#define DEQUANT_BLOCKS(type)                                                                                           \
+    for (int64_t b = c0 / 32; b < c1 / 32; b++)                                                                        \
+        dequant_block_avx2(type, block_at(type, w->w, w->row_bytes, w->grouped_rows, r, b), dst + 32 * b - c0);
+    /* clang-format off */
+    switch (w->type) {
+    case T_Q4_0: DEQUANT_BLOCKS(T_Q4_0); break;
+    case T_Q4_1: DEQUANT_BLOCKS(T_Q4_1); break;
+    case T_Q5_0: DEQUANT_BLOCKS(T_Q5_0); break;
+    case T_Q5_1: DEQUANT_BLOCKS(T_Q5_1); break;
+    case T_Q8_0: DEQUANT_BLOCKS(T_Q8_0); break;
+    case T_IQ4_NL: DEQUANT_BLOCKS(T_IQ4_NL); break;
+    default: DEQUANT_BLOCKS(w->type); break; /* a block type added later, at the old speed */
+    }
+    /* clang-format on */
+#undef DEQUANT_BLOCKS
 }
 
 AVX2 static inline float hsum(__m256 v) {
