@@ -1,5 +1,6 @@
-"""Per-step limits: the online step-time model (--target-tpot-ms), the batch cap it gives and its order (background
-work's share: test_background.py). Step times are fed from a known law, not measured."""
+"""Per-step limits: the online step-time model (--target-tpot-ms) and the order in which the plan starts requests
+(the plan itself: test_tpot_plan.py; background work's share: test_background.py). Step times are fed from a known
+law, not measured."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,8 @@ import pytest
 from scheduler_factories import TOKEN, make_request, make_scheduler
 
 from pagellm.core.sched.scheduler import Scheduler
-from pagellm.core.sched.step_limits import HEADROOM, PREFILL_MIN_TOKENS, WARMUP_ROWS
-from pagellm.core.sched.step_time import COLD_STEPS, MIN_STEPS, StepShape, StepTimeModel
+from pagellm.core.sched.step_limits import HEADROOM
+from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
 # The synthetic law: seconds = A + B * rows + C * context + D * extra tokens.
 A, B, C, D = 0.004, 0.0006, 2e-6, 0.0004
@@ -71,46 +72,19 @@ def test_a_few_long_prompt_steps_do_not_skew_the_decode_step():
         assert model.predict(StepShape(1, 150, 0)) == pytest.approx(decode_s, rel=0.1), seed
 
 
-def test_warmup_cap_until_the_model_has_data_then_the_target_holds():
-    # Six decode rows of ~40 positions fit beside the prompt tokens kept for waiting work.
-    target_ms = 1e3 * law(StepShape(6, 6 * 40, PREFILL_MIN_TOKENS))
-    sched = make_scheduler(max_model_len=256, num_blocks=512, max_num_seqs=16, target_tpot_ms=target_ms)
-    for i in range(30):
-        sched.add_request(make_request(f"r{i}", prompt=8, max_tokens=40))
-    # No data yet: WARMUP_ROWS (below max_num_seqs), until MIN_STEPS steps were seen after the cold ones.
-    warmup = MIN_STEPS + COLD_STEPS
-    assert [len(run_step(sched).scheduled) for _ in range(warmup)] == [WARMUP_ROWS] * warmup
-    # The warm-up's requests, decoding, are never deferred (a step sat out would cost them more than a step over
-    # the target): they finish at WARMUP_ROWS rows. From then on the cap decides who starts, and every step with
-    # decode rows (a step of prompts alone delays no token after a first one) holds the target.
-    first_cohort = {f"r{i}" for i in range(WARMUP_ROWS)}
-    shapes = []
-    while sched.has_unfinished_requests():
-        out = run_step(sched)
-        ids = {s.request_id for s in out.scheduled}
-        if not ids.isdisjoint(first_cohort):
-            assert first_cohort <= ids, "a decoding request sat a step out"  # they all end on the same step
-        elif any(s.num_tokens == 1 for s in out.scheduled):
-            shapes.append(StepShape.of(out))
-    # Known gap: a step that admits several prompts at once budgets the row of one of them only, so it may run
-    # over; one such step is allowed.
-    assert len(shapes) > 40 and sum(law(shape) > target_ms / 1e3 for shape in shapes) <= 1
-    assert max(shape.rows for shape in shapes) >= 4
-    # Every block back in the pool.
-    assert sched.kv_cache_manager.block_pool.num_free_blocks == sched.kv_cache_manager.num_blocks
-
-
 @pytest.mark.parametrize("policy", ["priority", "short-first", "fcfs"])
 def test_the_cap_starts_the_requests_the_policy_ranks_first(policy):
-    """Two rows and the prompt tokens kept for waiting work fit the target (three do not): of six requests that
-    arrive at once, once the model has learnt from two others, the two the policy ranks first start and run."""
-    target_ms = 1e3 * law(StepShape(2, 2 * 50, PREFILL_MIN_TOKENS)) / HEADROOM + 0.01
+    """A decode batch of two fits the target, one of three does not (as far as the model can tell, having seen two):
+    of six requests that arrive at once, once the model has learnt from two others, the two the policy ranks first
+    start and run."""
+    target_ms = 1.3e3 * law(StepShape(2, 2 * 50, 0)) / HEADROOM
     sched = make_scheduler(max_model_len=256, num_blocks=256, max_num_seqs=8, scheduling_policy=policy,
                            target_tpot_ms=target_ms)
     for i in range(2):
         sched.add_request(make_request(f"warm{i}", prompt=8, max_tokens=16, arrival_time=-1.0))
     while sched.has_unfinished_requests():  # the model learns from their steps
         run_step(sched)
+    assert sched.planner.limiter.model.decode_time(3, 3 * 50) > target_ms * HEADROOM / 1e3
     # Priority ranks r5 first (lowest value), short-first r0 (fewest tokens left), fcfs r0..r5 in arrival order.
     for i in range(6):
         sched.add_request(make_request(f"r{i}", prompt=8, max_tokens=20 + 4 * i,

@@ -12,34 +12,17 @@ through its transitions (admit, preempt).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.async_scheduling import tokens_after_flight
 from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
 from pagellm.core.sched.policy import SchedulingPolicy
-from pagellm.core.sched.queues import RequestQueues
+from pagellm.core.sched.queues import RequestQueues, num_sequences, num_slots_in_use
 from pagellm.core.sched.step_limits import StepLimiter, StepLimits
 from pagellm.core.sched.worker_view import WorkerView
 from pagellm.spec_decode.adaptive import AdaptiveDrafter
 from pagellm.spec_decode.eligibility import may_speculate
-
-
-def num_sequences(request: Request) -> int:
-    """Sequence slots a request takes: n for one that will fork at its first sample, beam_width for the first
-    beam of a beam search (the slots of its future sequences are held from admission on, prefill chunks
-    included, so forks never take the running count over max_num_seqs), else one."""
-    if request.num_output_tokens:
-        return 1
-    if request.beam_group is not None:
-        return request.beam_group.params.beam_width if len(request.beam_group.beams) == 1 else 1
-    return request.sampling_params.n
-
-
-def num_slots_in_use(running: Iterable[Request]) -> int:
-    return sum(num_sequences(r) for r in running)
 
 
 class BatchPlanner:
@@ -51,7 +34,7 @@ class BatchPlanner:
         self.kv_cache_manager = kv_cache_manager
         self.worker_view = worker_view
         self.policy = SchedulingPolicy(config)
-        self.limiter = StepLimiter(config, self.policy)
+        self.limiter = StepLimiter(config, self.policy, max_model_len)
         spec = config.speculative_config
         self.drafter = AdaptiveDrafter(spec) if spec is not None else None
         # Sequences in a batch the workers have not returned yet (a pipeline keeps several batches in flight), with
@@ -70,7 +53,6 @@ class BatchPlanner:
         preempted_for_priority = len(output.preempted_req_ids)
 
         token_budget = self._schedule_running(output, self.config.max_num_batched_tokens, limit, limits)
-        token_budget = min(token_budget, limits.prefill_tokens)
         # Admitting new work while running requests are short of blocks would only thrash the cache.
         if len(output.preempted_req_ids) == preempted_for_priority:
             self._admit_waiting(output, token_budget, limit, limits)
@@ -135,7 +117,7 @@ class BatchPlanner:
             # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
             num_new = self._num_next_tokens(request, flight)
             if num_new and num_new > 1:
-                num_new = min(num_new, limits.prompt_budget(request))
+                num_new = min(num_new, limits.prompt_budget(request, num_new))
             if not num_new or request.request_id in limits.deferred:
                 index += 1
                 continue
@@ -222,12 +204,12 @@ class BatchPlanner:
             swapped = manager.is_swapped_out(request)
             computed = manager.get_computed_blocks(request) if not swapped else None
             num_cached = computed.num_blocks * manager.block_size if computed else 0
-            num_new = request.num_tokens - request.num_computed_tokens - num_cached
-            if num_new > token_budget and not self.config.enable_chunked_prefill:
+            tokens_left = request.num_tokens - request.num_computed_tokens - num_cached
+            if tokens_left > token_budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, token_budget)
+            num_new = min(tokens_left, token_budget)
             if self.config.enable_chunked_prefill:
-                num_new = min(num_new, limits.prompt_budget(request))
+                num_new = min(num_new, limits.prompt_budget(request, tokens_left))
                 if num_new <= 0:
                     break
             if not manager.allocate_slots(request, num_new, computed):

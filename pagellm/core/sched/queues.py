@@ -12,6 +12,8 @@ application (results.py) included, and each transition does all of its bookkeepi
     fork       new sequences of a running one, sharing its blocks, running right after it
     finish     any queue -> gone: blocks freed, the workers told to drop it
     fail       every sequence of a group -> finished with FINISHED_ERROR, the reason kept
+
+It also says how many sequence slots a request takes (`num_sequences`), the unit of max_num_seqs.
 """
 from __future__ import annotations
 
@@ -25,6 +27,21 @@ from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError
+
+
+def num_sequences(request: Request) -> int:
+    """Sequence slots a request takes: n for one that will fork at its first sample, beam_width for the first
+    beam of a beam search (the slots of its future sequences are held from admission on, prefill chunks
+    included, so forks never take the running count over max_num_seqs), else one."""
+    if request.num_output_tokens:
+        return 1
+    if request.beam_group is not None:
+        return request.beam_group.params.beam_width if len(request.beam_group.beams) == 1 else 1
+    return request.sampling_params.n
+
+
+def num_slots_in_use(running: Iterable[Request]) -> int:
+    return sum(num_sequences(r) for r in running)
 
 
 class RequestQueues:

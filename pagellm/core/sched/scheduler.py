@@ -37,9 +37,9 @@ from pagellm.config import SchedulerConfig
 from pagellm.core.beam_group import BeamGroup
 from pagellm.core.kv.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched.batch import BatchPlanner, num_sequences, num_slots_in_use
+from pagellm.core.sched.batch import BatchPlanner
 from pagellm.core.sched.output import ScheduledRequest, SchedulerOutput
-from pagellm.core.sched.queues import RequestQueues
+from pagellm.core.sched.queues import RequestQueues, num_sequences, num_slots_in_use
 from pagellm.core.sched.results import ResultApplier
 from pagellm.core.sched.worker_view import WorkerView
 from pagellm.exceptions import InvalidRequestError

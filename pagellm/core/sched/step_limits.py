@@ -1,14 +1,11 @@
 """Per-step limits beyond the token budget: which running sequences sit a step out, how many sequence slots and
 prompt tokens the step may hold. Two rules set them, and without either the limits are the static ones.
 
-- A latency target (`--target-tpot-ms`): an online model of the step's time (step_time.py) caps the rows of a step
-  so that its predicted time holds the target, and the prompt tokens that share a step with decodes to the time
-  left. While work waits, PREFILL_SHARE of the step's variable time (at least PREFILL_MIN_TOKENS tokens) is kept
-  for prompt tokens when the cap is set, so that queued requests keep starting.
-  The cap aims at HEADROOM of the target (steps scatter around the prediction; the p99 must hold). Sequences that
-  have started decoding always run (a step sat out would cost them more than a step over the target), so the cap
-  decides who starts: the requests the policy ranks first. It starts at WARMUP_ROWS, until the model has seen
-  enough steps, and grows as it learns. At least one sequence always runs.
+- A latency target (`--target-tpot-ms`): waiting requests start in waves that the planner (tpot_plan.py) finds to
+  hold every request's time per output token within HEADROOM of the target, given an online model of the step's time
+  (step_time.py); a wave's prompts run in full chunks, and no other request starts until they are in. Running
+  sequences always run (a step sat out costs a decoding request a whole gap). Until the model has seen enough steps,
+  WARMUP_ROWS rows run.
 - Background work (priority policy): requests of priority `background_priority` or lower (batch jobs' lines) take
   what interactive requests leave, by the step time they add (background.py): nothing while one waits (their
   running rows sit the step out), little beside running ones, short steps in a gap of interactive traffic, and the
@@ -25,11 +22,11 @@ from pagellm.core.request import Request
 from pagellm.core.sched.background import BackgroundShare
 from pagellm.core.sched.output import SchedulerOutput
 from pagellm.core.sched.policy import SchedulingPolicy
+from pagellm.core.sched.queues import num_sequences
 from pagellm.core.sched.step_time import StepShape, StepTimeModel
+from pagellm.core.sched.tpot_plan import TpotPlanner
 
-PREFILL_SHARE = 0.25
-HEADROOM = 0.9  # of the target, what the predicted step time is capped at
-PREFILL_MIN_TOKENS = 2  # the prompt tokens kept for while work waits, at least
+HEADROOM = 0.9  # of the target: what the plan holds each request's predicted time per output token to
 WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
 
 
@@ -37,23 +34,24 @@ WARMUP_ROWS = 8  # the cap before the model has data (or max_num_seqs, if lower)
 class StepLimits:
     max_seqs: int  # sequence slots of running and newly admitted requests
     deferred: set[str] = field(default_factory=set)  # running sequences that sit this step out
-    prefill_tokens: int = sys.maxsize  # prompt tokens the step may still take (the token budget aside)
     background_priority: int | None = None  # requests of this priority or lower are background (priority policy)
     background_row_cap: int = sys.maxsize  # rows background requests may take, admissions included
     background_tokens: int = sys.maxsize  # prompt tokens background requests may still take
     background_rows: int = 0
+    # A latency target's wave still coming in: its requests' prompts stop a token short of their end, so that they
+    # all end in the wave's last step and no first token waits on the wave's other prompts (tpot_plan.py).
+    held: set[str] = field(default_factory=set)
 
     def is_background(self, request: Request) -> bool:
         return self.background_priority is not None and request.priority >= self.background_priority
 
-    def prompt_budget(self, request: Request) -> int:
-        """Prompt tokens `request` may take this step (the token budget aside)."""
-        if self.is_background(request):
-            return min(self.prefill_tokens, self.background_tokens)
-        return self.prefill_tokens
+    def prompt_budget(self, request: Request, tokens_left: int) -> int:
+        """Prompt tokens `request` may take this step (the token budget aside) of the `tokens_left` it has to
+        compute to its prompt's end."""
+        budget = tokens_left - 1 if request.request_id in self.held else sys.maxsize
+        return min(budget, self.background_tokens) if self.is_background(request) else budget
 
     def spend_prompt(self, request: Request, num_tokens: int) -> None:
-        self.prefill_tokens -= num_tokens
         if self.is_background(request):
             self.background_tokens -= num_tokens
 
@@ -73,14 +71,17 @@ class StepLimits:
 
 
 class StepLimiter:
-    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy) -> None:
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy, max_model_len: int) -> None:
         self.config = config
         self.policy = policy
-        # The cap aims at HEADROOM of the target: steps scatter around the model's prediction, and it is the p99
-        # of the time per output token that must hold the target, not its mean.
-        self.target_s = HEADROOM * config.target_tpot_ms / 1e3 if config.target_tpot_ms is not None else None
         background = policy.name == "priority"
-        self.model = StepTimeModel() if self.target_s is not None or background else None
+        target = config.target_tpot_ms is not None
+        self.model = StepTimeModel() if target or background else None
+        # The plan aims at HEADROOM of the target: steps scatter around the model's prediction, and it is the p99
+        # of the time per output token that must hold the target, not its mean.
+        self.planner = (TpotPlanner(HEADROOM * config.target_tpot_ms / 1e3, self.model, config.max_num_batched_tokens,
+                                    max_model_len, num_sequences) if target and self.model is not None else None)
+        self._starting: set[str] = set()  # the waiting requests of the wave the planner started
         self.background = (BackgroundShare(config.background_priority, self.model, config.max_num_seqs)
                            if background and self.model is not None else None)
 
@@ -91,6 +92,8 @@ class StepLimiter:
     def observe(self, output: SchedulerOutput, seconds: float) -> None:
         if self.model is not None:
             self.model.observe(StepShape.of(output), seconds)
+        if self.planner is not None:
+            self.planner.observe(seconds)
 
     def limits(self, ready: list[tuple[Request, int]], waiting: Iterable[Request]) -> StepLimits:
         """`ready`: the running requests with tokens to compute this step (before the token budget), in running
@@ -101,12 +104,13 @@ class StepLimiter:
         candidates = sorted(ready, key=lambda row: order(row[0])) if order is not None else list(ready)
         if self.background is not None:
             candidates = self._background_share(limits, candidates, waiting)
-        if self.target_s is not None and self.model is not None:
+        if self.planner is not None and self.model is not None:
+            self.planner.track([request for request, _ in ready])
             if not self.model.ready:
                 limits.max_seqs = min(limits.max_seqs, WARMUP_ROWS)
                 candidates = candidates[:WARMUP_ROWS]
-            elif candidates or waiting:
-                candidates = self._latency_cap(limits, candidates, waiting)
+            elif waiting:
+                self._admit_by_plan(limits, candidates, waiting)
         selected = {request.request_id for request, _ in candidates}
         limits.deferred = {request.request_id for request, _ in ready if request.request_id not in selected}
         return limits
@@ -123,25 +127,23 @@ class StepLimiter:
         kept = {row[0].request_id for row in [*foreground, *background]}
         return [row for row in candidates if row[0].request_id in kept]
 
-    def _latency_cap(self, limits: StepLimits, candidates: list[tuple[Request, int]],
-                     waiting: list[Request]) -> list[tuple[Request, int]]:
-        """The cap counts the running rows (at their context now), then the waiting requests in admission order (at
-        the context they end with), so that no request is admitted that the cap would stall once it decodes."""
-        assert self.model is not None and self.target_s is not None
-        contexts = [request.num_computed_tokens + num_new for request, num_new in candidates]
-        contexts += [r.num_tokens + r.max_tokens - r.num_output_tokens for r in waiting]
-        prefills = any(num_new > 1 for _, num_new in candidates)
-        reserve = (self.model.extra_tokens_within(PREFILL_SHARE, self.target_s, PREFILL_MIN_TOKENS)
-                   if waiting or prefills else 0)
-        # A sequence already decoding is never deferred: a step it sits out adds a whole step to its time per
-        # output token, more than the over-target steps it spares. The cap limits who starts.
-        decoding = sum(1 for request, _ in candidates if request.num_output_tokens > 0)
-        cap = max(1, decoding, self.model.rows_within(self.target_s, contexts, reserve))
-        limits.max_seqs = min(limits.max_seqs, cap)
-        candidates = candidates[:cap]
-        decodes = [(request, num_new) for request, num_new in candidates if num_new == 1]
-        if decodes:
-            # One more row for the prompt chunk itself; its context is counted as its tokens.
-            shape = StepShape(len(decodes) + 1, sum(r.num_computed_tokens + 1 for r, _ in decodes), 0)
-            limits.prefill_tokens = max(reserve, self.model.max_extra_tokens(self.target_s, shape))
-        return candidates
+    def _admit_by_plan(self, limits: StepLimits, candidates: list[tuple[Request, int]],
+                       waiting: list[Request]) -> None:
+        """The sequence slots of the running requests and of the waiting ones the plan starts. A wave the token
+        budget does not take in one step comes in over the next ones, its prompts held a token short of their end
+        until the rest of them fits one step; no other request starts until its prompts are in."""
+        assert self.planner is not None
+        in_use = sum(num_sequences(request) for request, _ in candidates)
+        self._starting.intersection_update(request.request_id for request in waiting)  # started, or gone
+        starting = [request for request in waiting if request.request_id in self._starting]
+        coming_in = [request for request, _ in candidates if request.num_output_tokens == 0]
+        if not starting and not coming_in:
+            starting = waiting[:self.planner.admit([request for request, _ in candidates], waiting,
+                                                   limits.max_seqs - in_use)]
+            self._starting = {request.request_id for request in starting}
+        limits.max_seqs = min(limits.max_seqs, in_use + sum(num_sequences(request) for request in starting))
+        wave = [*coming_in, *starting]
+        left = [request.num_tokens - request.num_computed_tokens for request in wave]
+        room = self.config.max_num_batched_tokens - (len(candidates) - len(coming_in))
+        if sum(left) > room and max(left, default=0) > 1:  # (held at one token each, the rest would fit)
+            limits.held = {request.request_id for request in wave}

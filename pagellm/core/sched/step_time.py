@@ -8,6 +8,12 @@ the time down (`Scheduler.observe_step_time`); the coefficients are a non-negati
 steps (a step never gets cheaper with more work), each step weighed by its relative error. Steps with and without
 extra tokens are kept apart, so a long run of decodes does not push the prefill cost out of the window.
 
+A decode batch's time is not linear in its rows, though: it rises in stairs where the kernels change path (on one
+2-core host 12 rows took 19 ms, 13 rows 30, 32 rows 41, 33 rows 57), and a line through such stairs misses by up to
+half. So decode steps are also kept by their number of rows (`decode_time`): a batch is predicted at the time of
+the smallest batch at least as large that was seen (a step never gets cheaper with more rows), and beyond the
+largest seen at that one's time per row and a margin.
+
 A fit from steps that all had the same number of rows cannot tell the fixed cost `a` from the per-row cost `b`;
 the non-negative fit then charges it all per row, so a cap computed from it errs small (charging it to `a` made the
 cap overshoot, and the requests a corrected cap then deferred missed the target). The steps of another size that
@@ -16,6 +22,7 @@ initialisation makes them slow, and one made prompt tokens look 4x their cost).
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,6 +39,11 @@ OUTLIER_FACTOR = 4.0  # steps whose time the first fit misses by more than this 
 # time, it is refitted every REFIT_EVERY steps only (a step it misses still refits at once).
 WELL_PREDICTED = 0.1
 REFIT_EVERY = 16
+BY_ROWS_SAMPLES = 16  # recent decode steps kept per number of rows
+# A batch larger than any seen is charged this much more per row than the largest seen: a row costs less in a larger
+# batch, but not across a stair (one host's rows cost 12% more at 36 rows than at 32, 43% more at 13 than at 12).
+EXPLORE_MARGIN = 0.25
+TOKEN_COST_SAMPLES = 32  # recent steps with prompt tokens whose cost per token is kept
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,10 @@ class StepShape:
 class StepTimeModel:
     def __init__(self) -> None:
         self._decode_steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
+        self._decodes_by_rows: dict[int, deque[tuple[int, float]]] = {}  # rows -> recent (context, seconds)
+        self._rows_seen: list[int] = []  # the keys of _decodes_by_rows, sorted
+        self._medians: dict[int, tuple[float, float]] = {}  # rows -> median (context, seconds) of those steps
+        self._token_costs: deque[float] = deque(maxlen=TOKEN_COST_SAMPLES)  # seconds per prompt token, recent steps
         self._mixed_steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
         self.coef: np.ndarray | None = None  # (a, b, c, d), seconds; None until MIN_STEPS steps were seen
         self._cold_steps_left = COLD_STEPS
@@ -69,6 +85,16 @@ class StepTimeModel:
             self._cold_steps_left -= 1
             return
         (self._mixed_steps if shape.extra_tokens else self._decode_steps).append((shape, seconds))
+        if shape.extra_tokens and self._rows_seen:  # what its prompt tokens cost beyond its rows as a decode step
+            self._token_costs.append((seconds - self.decode_time(shape.rows, shape.context)) / shape.extra_tokens)
+        if not shape.extra_tokens:
+            if shape.rows not in self._decodes_by_rows:
+                self._decodes_by_rows[shape.rows] = deque(maxlen=BY_ROWS_SAMPLES)
+                bisect.insort(self._rows_seen, shape.rows)
+            steps = self._decodes_by_rows[shape.rows]
+            steps.append((shape.context, seconds))
+            contexts, times = zip(*steps, strict=True)
+            self._medians[shape.rows] = (float(np.median(contexts)), float(np.median(times)))
         if len(self._decode_steps) + len(self._mixed_steps) < MIN_STEPS:
             return
         self._steps_since_fit += 1
@@ -102,6 +128,43 @@ class StepTimeModel:
         assert self.coef is not None
         return float(np.dot(self.coef, shape.features()))
 
+    def decode_time(self, rows: int, context: int, margin: bool = True) -> float:
+        """A decode step of `rows` rows over `context` positions in all: the median time of the recent steps of
+        the smallest batch seen that is at least as large, moved by the fit's cost of the context between their
+        median context and this one; beyond the
+        largest batch seen, that batch's time per row and EXPLORE_MARGIN (without `margin`, to compare batches: a
+        larger one than seen is then as fast per row)."""
+        seen = self._rows_seen
+        i = bisect.bisect_left(seen, rows)
+        if i < len(seen):
+            return self._measured(seen[i], context)
+        if not seen:
+            return self.predict(StepShape(rows, context, 0))
+        # A row costs less in a larger batch (what a batch shares, the weights' reads, is spread thinner), except
+        # across a stair: the largest batch seen, per row and EXPLORE_MARGIN more, bounds a larger one.
+        top = seen[-1]
+        per_row = self._measured(top, context * top // rows) / top  # at this batch's context per row
+        return per_row * rows * (1 + EXPLORE_MARGIN if margin else 1)
+
+    def _measured(self, rows: int, context: int) -> float:
+        median_context, median_seconds = self._medians[rows]
+        c = float(self.coef[2]) if self.coef is not None else 0.0
+        return median_seconds + c * (context - median_context)
+
+    def step_time(self, shape: StepShape) -> float:
+        """Any step: its rows as a decode step (`decode_time`), and its extra tokens at the median cost per token
+        that recent steps with prompt tokens had beyond their rows; before any, at the largest decode batch's cost
+        per row (a token costs less in a prompt chunk than as a decode row)."""
+        seconds = self.decode_time(shape.rows, shape.context)
+        if not shape.extra_tokens:
+            return seconds
+        if self._token_costs:
+            per_token = max(float(np.median(self._token_costs)), 0.0)
+        else:
+            top = self._rows_seen[-1] if self._rows_seen else 1
+            per_token = self.decode_time(top, shape.context * top // max(shape.rows, 1)) / top
+        return seconds + per_token * shape.extra_tokens
+
     def rows_within(self, target_s: float, contexts: list[int], extra_tokens: int = 0) -> int:
         """How many of these rows (their contexts, in order) fit a step predicted to take at most `target_s`, with
         `extra_tokens` beside them (0 when not even one fits)."""
@@ -112,13 +175,6 @@ class StepTimeModel:
             if room < 0:
                 return rows
         return len(contexts)
-
-    def extra_tokens_within(self, share: float, target_s: float, at_least: int) -> int:
-        """Extra tokens that take this `share` of a step's time beyond its fixed cost, and `at_least` (so that the
-        cost of prompt tokens keeps being measured, even when it is overestimated); 0 while the model has seen
-        none."""
-        a, d = self.coef[0], self.coef[3]
-        return max(at_least, int(share * (target_s - a) / d)) if d > 0 else 0
 
     def max_extra_tokens(self, target_s: float, shape: StepShape) -> int:
         """The most extra tokens (prompt chunk tokens) a step of this shape can add within `target_s`."""
