@@ -23,8 +23,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Speculative decoding: the scheduler drafts and verifies tokens (see spec_decode/); None: off.
     speculative_config: SpeculativeConfig | None = None
-    # A time per output token to hold: the scheduler caps each step's rows (up to max_num_seqs) and prompt tokens
-    # by an online model of the step's time (core/sched/step_limits.py); None: the static caps only.
+    # A time per output token to hold: waiting requests start in waves (up to max_num_seqs) planned against it with
+    # an online model of the step's time (core/sched/tpot_plan.py); None: the static caps only.
     target_tpot_ms: float | None = None
     # Priority policy: requests of this priority or lower are background work (the lines of /v1/batches jobs run
     # at it): they yield each step to others and take a bounded share of it (core/sched/step_limits.py).

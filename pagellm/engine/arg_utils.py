@@ -110,8 +110,9 @@ class EngineArgs:
                             help="most sequences in one step; auto: as many as --target-tpot-ms allows (up to "
                                  f"{SchedulerConfig.max_num_seqs})")
         parser.add_argument("--target-tpot-ms", type=float, default=EngineArgs.target_tpot_ms,
-                            help="time per output token to hold: each step's sequences and prompt tokens are capped "
-                                 "by an online model of the step's time (default: no target)")
+                            help="time per output token to hold (every request's, p99 included): waiting requests "
+                                 "start in waves planned with an online model of the step's time (default: no "
+                                 "target)")
         parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens,
                             help="token budget of one step")
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

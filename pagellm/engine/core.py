@@ -28,6 +28,7 @@ from pagellm.core.sched.output import SchedulerOutput
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.core.state_snapshot import engine_state
 from pagellm.engine.core_output import EngineCoreOutput, EngineCoreOutputs
+from pagellm.engine.step_profile import profile_decode_steps
 from pagellm.exceptions import EngineDeadError
 from pagellm.executor.abstract import Executor
 from pagellm.logger import init_logger
@@ -68,6 +69,10 @@ class EngineCore:
                                                                  config.structured_outputs_config)
         self.scheduler = Scheduler(config.scheduler_config, config.model_config.max_model_len, self.kv_cache_manager,
                                    self.structured_output_manager)
+        if config.scheduler_config.target_tpot_ms is not None and config.model_config.runner == "generate":
+            profile_decode_steps(self.executor, self.scheduler, config.scheduler_config,
+                                 config.model_config.max_model_len, self.num_blocks, cache_config.block_size,
+                                 len(groups))
         self._consecutive_failed_steps = 0
         self.step_timings = StepTimings()
         self._in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first

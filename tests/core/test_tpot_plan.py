@@ -11,8 +11,9 @@ from scheduler_factories import EOS, TOKEN, make_request, make_scheduler
 
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.core.sched.step_limits import WARMUP_ROWS
-from pagellm.core.sched.step_time import COLD_STEPS, EXPLORE_MARGIN, MIN_STEPS, StepShape, StepTimeModel
+from pagellm.core.sched.step_time import COLD_STEPS, MIN_STEPS, StepShape, StepTimeModel
 from pagellm.core.sched.tpot_plan import LENGTH_QUANTILE, LENGTH_WINDOW
+from pagellm.engine.step_profile import LADDER, PROFILE_CONTEXT, REPEATS
 
 TARGET_MS = 80.0
 PROMPT, OUTPUT = 128, 64
@@ -63,9 +64,19 @@ def simulate(sched: Scheduler, requests: list, lengths: dict[str, int] | None = 
     return clock, tpot
 
 
-def sweep_scheduler(**config) -> Scheduler:
-    return make_scheduler(num_blocks=1200, block_size=16, max_model_len=256, max_num_seqs=config.pop("max_num_seqs"),
-                          max_num_batched_tokens=2048, **config)
+def sweep_scheduler(profiled: bool = True, **config) -> Scheduler:
+    """A scheduler as `bench sweep` runs one; with a target and `profiled`, its model has seen the decode steps the
+    engine profiles at start (engine/step_profile.py), here taking the law's time."""
+    sched = make_scheduler(num_blocks=1200, block_size=16, max_model_len=256, max_num_seqs=config.pop("max_num_seqs"),
+                           max_num_batched_tokens=2048, **config)
+    if profiled and config.get("target_tpot_ms") is not None:
+        for rows in LADDER:
+            shape = StepShape(rows, rows * PROFILE_CONTEXT, 0)
+            for _ in range(REPEATS):
+                sched.planner.limiter.model.observe(shape, stair_law(shape))
+            if stair_law(shape) > TARGET_MS / 1e3:
+                break
+    return sched
 
 
 def level(concurrency: int, tag: str) -> list:
@@ -96,9 +107,10 @@ def test_waves_hold_the_target_at_the_best_fixed_caps_throughput():
 
 
 def test_warmup_rows_until_the_model_has_data_then_every_request_holds_the_target():
-    """A fresh engine: WARMUP_ROWS rows run until the model has seen MIN_STEPS steps after the cold ones (their
-    requests run unplanned); from then on each request the plan starts holds the target."""
-    sched = sweep_scheduler(max_num_seqs=256, target_tpot_ms=TARGET_MS)
+    """A scheduler whose model has seen no step (the engine's profile gives it some: when even one row is slower
+    than the target, too few): WARMUP_ROWS rows run until the model has seen MIN_STEPS steps after the cold ones
+    (their requests run unplanned); from then on each request the plan starts holds the target."""
+    sched = sweep_scheduler(profiled=False, max_num_seqs=256, target_tpot_ms=TARGET_MS)
     requests = level(40, "r")
     for request in requests:
         sched.add_request(request)
@@ -156,16 +168,19 @@ def test_requests_of_unsure_length_hold_the_target_from_the_typical_length_on():
 
 
 def test_decode_time_follows_the_stairs_it_has_seen():
-    """Decode steps seen at 8, 16 and 32 rows: a batch between two seen sizes is charged the larger one's time (a
-    step never gets cheaper with more rows), one beyond the largest that one's time per row and the margin."""
+    """Decode steps seen at 1, 8, 16 and 32 rows: a batch between two seen sizes is charged the larger one's time (a
+    step never gets cheaper with more rows), one beyond the largest the line through them (high: a row costs less in
+    a larger batch), but never less than that largest batch's time per row."""
     model = StepTimeModel()
     for _ in range(4):
-        for rows in (8, 16, 32):
+        for rows in (1, 8, 16, 32):
             shape = StepShape(rows, 0, 0)
             model.observe(shape, stair_law(shape))
     law = lambda rows: stair_law(StepShape(rows, 0, 0))  # noqa: E731
     assert model.decode_time(13, 0) == pytest.approx(law(16))
     assert model.decode_time(32, 0) == pytest.approx(law(32))
     assert model.decode_time(4, 0) == pytest.approx(law(8))
-    assert model.decode_time(40, 0) == pytest.approx(law(32) * 40 / 32 * (1 + EXPLORE_MARGIN))
-    assert model.decode_time(13, 0) > law(12) * 13 / 12  # the stair the line through smaller batches misses
+    assert model.decode_time(13, 0) > law(12) * 13 / 12  # the stair a line through smaller batches misses
+    # Beyond: no less than 32 rows' time per row, nor than the line, and (here) above the law.
+    line = model.predict(StepShape(64, 0, 0))
+    assert model.decode_time(64, 0) == pytest.approx(max(line, law(32) * 2)) and model.decode_time(64, 0) >= law(64)

@@ -116,7 +116,7 @@ class BatchPlanner:
             flight = self.in_flight.get(request.request_id)
             # None or 0: a request whose last batch has not come back yet, a beam waiting for its siblings.
             num_new = self._num_next_tokens(request, flight)
-            if num_new and num_new > 1:
+            if num_new and (num_new > 1 or request.request_id in limits.held):  # a prompt chunk (or its last token)
                 num_new = min(num_new, limits.prompt_budget(request, num_new))
             if not num_new or request.request_id in limits.deferred:
                 index += 1

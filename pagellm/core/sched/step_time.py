@@ -12,7 +12,7 @@ A decode batch's time is not linear in its rows, though: it rises in stairs wher
 2-core host 12 rows took 19 ms, 13 rows 30, 32 rows 41, 33 rows 57), and a line through such stairs misses by up to
 half. So decode steps are also kept by their number of rows (`decode_time`): a batch is predicted at the time of
 the smallest batch at least as large that was seen (a step never gets cheaper with more rows), and beyond the
-largest seen at that one's time per row and a margin.
+largest seen by the fit (or that batch's time per row, if more).
 
 A fit from steps that all had the same number of rows cannot tell the fixed cost `a` from the per-row cost `b`;
 the non-negative fit then charges it all per row, so a cap computed from it errs small (charging it to `a` made the
@@ -40,9 +40,6 @@ OUTLIER_FACTOR = 4.0  # steps whose time the first fit misses by more than this 
 WELL_PREDICTED = 0.1
 REFIT_EVERY = 16
 BY_ROWS_SAMPLES = 16  # recent decode steps kept per number of rows
-# A batch larger than any seen is charged this much more per row than the largest seen: a row costs less in a larger
-# batch, but not across a stair (one host's rows cost 12% more at 36 rows than at 32, 43% more at 13 than at 12).
-EXPLORE_MARGIN = 0.25
 TOKEN_COST_SAMPLES = 32  # recent steps with prompt tokens whose cost per token is kept
 
 
@@ -78,6 +75,11 @@ class StepTimeModel:
     def ready(self) -> bool:
         return self.coef is not None
 
+    @property
+    def rows_seen(self) -> list[int]:
+        """The decode batch sizes observed, ascending."""
+        return list(self._rows_seen)
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.rows == 0 or seconds <= 0:
             return
@@ -85,7 +87,7 @@ class StepTimeModel:
             self._cold_steps_left -= 1
             return
         (self._mixed_steps if shape.extra_tokens else self._decode_steps).append((shape, seconds))
-        if shape.extra_tokens and self._rows_seen:  # what its prompt tokens cost beyond its rows as a decode step
+        if shape.extra_tokens and self._rows_seen and self.coef is not None:  # its prompt tokens' cost beyond its rows
             self._token_costs.append((seconds - self.decode_time(shape.rows, shape.context)) / shape.extra_tokens)
         if not shape.extra_tokens:
             if shape.rows not in self._decodes_by_rows:
@@ -128,23 +130,23 @@ class StepTimeModel:
         assert self.coef is not None
         return float(np.dot(self.coef, shape.features()))
 
-    def decode_time(self, rows: int, context: int, margin: bool = True) -> float:
+    def decode_time(self, rows: int, context: int) -> float:
         """A decode step of `rows` rows over `context` positions in all: the median time of the recent steps of
         the smallest batch seen that is at least as large, moved by the fit's cost of the context between their
-        median context and this one; beyond the
-        largest batch seen, that batch's time per row and EXPLORE_MARGIN (without `margin`, to compare batches: a
-        larger one than seen is then as fast per row)."""
+        median context and this one; beyond the largest batch seen, the fit's prediction, or that batch's time per
+        row if more."""
         seen = self._rows_seen
         i = bisect.bisect_left(seen, rows)
         if i < len(seen):
             return self._measured(seen[i], context)
+        fitted = self.predict(StepShape(rows, context, 0))
         if not seen:
-            return self.predict(StepShape(rows, context, 0))
-        # A row costs less in a larger batch (what a batch shares, the weights' reads, is spread thinner), except
-        # across a stair: the largest batch seen, per row and EXPLORE_MARGIN more, bounds a larger one.
+            return fitted
+        # A row costs less in a larger batch (what a batch shares, the weights' reads, is spread thinner), so the
+        # fit, through smaller batches, errs high beyond them, except across a stair: there the largest batch's time
+        # per row bounds it from below.
         top = seen[-1]
-        per_row = self._measured(top, context * top // rows) / top  # at this batch's context per row
-        return per_row * rows * (1 + EXPLORE_MARGIN if margin else 1)
+        return max(fitted, self._measured(top, context * top // rows) * rows / top)
 
     def _measured(self, rows: int, context: int) -> float:
         median_context, median_seconds = self._medians[rows]

@@ -13,11 +13,11 @@ with it, every request's budget holds:
   (one that stops early has fewer gaps to spread a long step over);
 - the new decode batch: predicted within the target (the wave's own requests wait on nothing else).
 
-Of the groups that hold (in the policy's order), the largest whose decode batch gives about the most tokens a second
-starts; no other starts until its prompts are in. A request's length is sure up to min_tokens, and up to max_tokens
-(or max_model_len) when nothing else can stop it (ignore_eos, no stop tokens or strings, no grammar); past what is
-sure it may end anywhere from the LENGTH_QUANTILE of recently finished requests' lengths on (the next token, before
-any finished), so that only slack it will have is spent.
+Of the groups that hold (in the policy's order), the largest whose decode batch, and the rest of the queue's as one
+batch after it, give about the most tokens a second starts; no other starts until its prompts are in. A request's
+length is sure up to min_tokens, and up to max_tokens (or max_model_len) when nothing else can stop it (ignore_eos,
+no stop tokens or strings, no grammar); past what is sure it may end anywhere from the LENGTH_QUANTILE of recently
+finished requests' lengths on (the next token, before any finished), so that only slack it will have is spent.
 """
 from __future__ import annotations
 
@@ -78,20 +78,27 @@ class TpotPlanner:
                 low = middle
             else:
                 high = middle - 1
-        return self._fastest(decoding, budgets, candidates[:low], typical)
+        return self._fastest(decoding, budgets, candidates, low, typical)
 
-    def _fastest(self, decoding: list[Request], budgets: list[Budget], group: list[Request], typical: int) -> int:
-        """Of the group's prefixes, the largest whose decode batch gives within RATE_TOLERANCE of the most tokens a
-        second: a request that takes the batch up a stair slows every other one more than it adds. A running batch
-        grows only to sizes seen to pay (a size never seen is charged the model's margin); a wave that starts from
-        none may try one."""
-        rows, margin = len(decoding), bool(decoding)
-        context = sum(budget.context_end for budget in budgets)
-        rates = [rows / self.model.decode_time(rows, context, margin) if rows else 0.0]
-        for request in group:
-            rows += self.num_sequences(request)
-            context += self._budget(request, 1, typical).context_end
-            rates.append(rows / self.model.decode_time(rows, context, margin))
+    def _fastest(self, decoding: list[Request], budgets: list[Budget], candidates: list[Request], most: int,
+                 typical: int) -> int:
+        """How many of the `most` first candidates start: the most whose decode batch, and the rest of the
+        candidates' as one batch after it, give within RATE_TOLERANCE of the most tokens a second. One request more
+        can take a batch up a stair and slow every other one; a large wave can leave a small one behind it."""
+        contexts = [self._budget(request, 1, typical).context_end for request in candidates]
+        seqs = [self.num_sequences(request) for request in candidates]
+
+        def batch_time(rows: int, context: int) -> float:
+            return self.model.decode_time(rows, context) if rows else 0.0
+
+        rows, context = len(decoding), sum(budget.context_end for budget in budgets)
+        rest_rows, rest_context = sum(seqs), sum(contexts)
+        rates = []
+        for n in range(most + 1):
+            if n:
+                rows, context = rows + seqs[n - 1], context + contexts[n - 1]
+                rest_rows, rest_context = rest_rows - seqs[n - 1], rest_context - contexts[n - 1]
+            rates.append((rows + rest_rows) / (batch_time(rows, context) + batch_time(rest_rows, rest_context)))
         fastest = max(rates)
         return max(n for n, rate in enumerate(rates) if rate >= (1 - RATE_TOLERANCE) * fastest)
 
