@@ -32,7 +32,7 @@ from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
 LENGTH_WINDOW = 64  # finished requests whose output lengths are kept
 LENGTH_QUANTILE = 0.1  # of those lengths: the earliest a request whose length is not sure is expected to end
-RATE_TOLERANCE = 0.01  # a larger group starts if its decode batch is this close to the fastest one's tokens a second
+RATE_TOLERANCE = 0.05  # a larger group starts if its decode batch is this close to the fastest one's tokens a second
 
 
 @dataclass(slots=True)
