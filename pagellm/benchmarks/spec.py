@@ -1,6 +1,6 @@
 """`pagellm bench spec`: batch-1 decode speed with speculative decoding (each of `--methods`: `ngram` prompt lookup,
-`suffix` decoding) against without, in one run, on two workloads through the chat template, greedy (so every setting
-emits the same tokens):
+`suffix` decoding; and `draft_model` with `--draft-model PATH`) against without, in one run, on two workloads through
+the chat template, greedy (so every setting emits the same tokens):
 
 - editing: the prompt holds a code block (a class of pagellm's own source) and asks for it back with one change,
   so the answer repeats much of the prompt: the case both drafters are for;
@@ -73,8 +73,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=256, help="most tokens generated per prompt")
     parser.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens,
                         help="k: the most tokens a request drafts")
-    parser.add_argument("--methods", nargs="+", choices=BENCH_METHODS, default=list(BENCH_METHODS),
-                        help="speculative methods to run beside no speculation")
+    parser.add_argument("--methods", nargs="*", choices=BENCH_METHODS, default=list(BENCH_METHODS),
+                        help="model-free speculative methods to run beside no speculation (none: only "
+                             "--draft-model's)")
+    parser.add_argument("--draft-model", default=None, metavar="PATH",
+                        help="also run method draft_model with this draft (a GGUF file or checkpoint directory)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the prompts; each prompt's best counts")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
 
@@ -115,11 +118,14 @@ def run(args: argparse.Namespace) -> dict:
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), max_num_seqs=1)
     if engine_args.kv_cache_memory_bytes is None:  # one request at a time: a small pool for each engine
         engine_args = dataclasses.replace(engine_args, kv_cache_memory_bytes=KV_BYTES)
+    methods = list(args.methods) + (["draft_model"] if args.draft_model else [])
     settings: dict[str, dict | None] = {"off": None}
-    for method in args.methods:
+    for method in methods:
         settings[method] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
         if method == "suffix":
             settings[method]["suffix_decoding_max_cached_requests"] = 0  # no answer found in its own last repeat
+        if method == "draft_model":
+            settings[method]["model"] = args.draft_model
     engines = {name: start_engine(engine_args, spec) for name, spec in settings.items()}
     first = engines["off"]
     workloads = {name: [encode(first, text) for text in texts]
@@ -145,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     print(machine_header())
     print(f"batch-1 greedy decode, k={args.num_speculative_tokens}, up to {args.output_len} tokens per prompt, best "
           f"of {args.repeats}")
-    print(f"  {'workload':<10}{'method':<8}{'off tok/s':>11}{'on tok/s':>10}{'speedup':>9}{'accepted':>10}"
+    print(f"  {'workload':<10}{'method':<12}{'off tok/s':>11}{'on tok/s':>10}{'speedup':>9}{'accepted':>10}"
           f"{'tok/step':>10}{'same tokens':>13}")
     report: dict = {}
     for w, prompts in workloads.items():
@@ -153,13 +159,13 @@ def run(args: argparse.Namespace) -> dict:
         rates = {name: sum(len(outputs[name, w, i]) - 1 for i in range(len(prompts)))
                  / sum(seconds[name, w, i] for i in range(len(prompts))) for name in engines}
         report[w] = {"off": {"decode_tok_s": rates["off"], "output_tokens": decoded + len(prompts)}}
-        for method in args.methods:
+        for method in methods:
             drafts, drafted, accepted = counts[method, w]
             rate = accepted / drafted if drafted else None
             per_step = (accepted + drafts) / drafts if drafts else None
             same = all(outputs[method, w, i] == outputs["off", w, i] for i in range(len(prompts)))
             speedup = rates[method] / rates["off"]
-            print(f"  {w:<10}{method:<8}{rates['off']:>11.1f}{rates[method]:>10.1f}{speedup:>8.2f}x"
+            print(f"  {w:<10}{method:<12}{rates['off']:>11.1f}{rates[method]:>10.1f}{speedup:>8.2f}x"
                   f"{'-' if rate is None else f'{100 * rate:.0f}%':>10}"
                   f"{'-' if per_step is None else f'{per_step:.2f}':>10}{str(same):>13}")
             report[w][method] = {"on": {"decode_tok_s": rates[method], "acceptance_rate": rate,
@@ -167,7 +173,8 @@ def run(args: argparse.Namespace) -> dict:
                                         "output_tokens": sum(len(outputs[method, w, i]) for i in range(len(prompts)))},
                                  "speedup": speedup, "same_tokens": same}
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": {"output_len": args.output_len, "methods": args.methods,
+        Path(args.json).write_text(json.dumps({"config": {"output_len": args.output_len, "methods": methods,
                                                           "num_speculative_tokens": args.num_speculative_tokens,
+                                                          "draft_model": args.draft_model,
                                                           "repeats": args.repeats}, **report}, indent=2))
     return report
