@@ -4,8 +4,10 @@ latency target, beside fixed `--max-num-seqs` settings and the default (256), at
 At each concurrency c, c requests of the same prompt and output length arrive together and the engine runs them to
 the end, stepped as `LLM.generate` steps it. Per request, TPOT is (last token - first token) / (output tokens - 1),
 as vLLM's serving benchmark counts it; total tokens/s is c x (input + output) over the whole run. A fixed setting
-that is at least c runs like the default, so it is not run again. The target engine keeps its step-time model
-from one level to the next, as a server would.
+that is at least c runs like the default, so it is not run again. Every setting's engine is loaded at once (each
+with a KV pool of KV_BYTES unless --kv-cache-memory says otherwise), and each level runs on all of them one after
+the other, so that a shared host's drift falls on every setting alike rather than on whichever ran in a slow
+minute. The target engine keeps its step-time model from one level to the next, as a server would.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+KV_BYTES = 1 << 30  # each engine's KV pool unless --kv-cache-memory says otherwise (the default model: 23k tokens)
 FIELDS = ["setting", "concurrency", "total_tok_s", "output_tok_s", "mean_tpot_ms", "p99_tpot_ms", "mean_ttft_ms"]
 
 
@@ -58,24 +61,28 @@ def run(args: argparse.Namespace) -> None:
                 (f"fixed {default} (default)", {"max_num_seqs": default, "target_tpot_ms": None}),
                 *((f"fixed {m}", {"max_num_seqs": m, "target_tpot_ms": None}) for m in args.compare_max_num_seqs)]
     print(machine_header(), flush=True)
-    rows = []
+    if base["kv_cache_memory_bytes"] is None:
+        base["kv_cache_memory_bytes"] = KV_BYTES
+    engines = []
     for name, overrides in settings:
         levels = [c for c in args.concurrency if overrides["max_num_seqs"] in ("auto", default)
                   or overrides["max_num_seqs"] < c]
-        if not levels:
-            continue
-        llm = LLM(**{**base, **overrides})
-        vocab = llm.llm_engine.config.model_config.vocab_size
-        run_level(llm, [[7] * args.input_len], 4, "warmup")
-        rng = random.Random(0)  # the same prompts for every setting
-        for c in args.concurrency:
-            prompts = [[rng.randrange(256, vocab) for _ in range(args.input_len)] for _ in range(c)]
+        if levels:
+            llm = LLM(**{**base, **overrides})
+            run_level(llm, [[7] * args.input_len], 4, "warmup")
+            engines.append((name, llm, levels))
+    vocab = engines[0][1].llm_engine.config.model_config.vocab_size
+    rng = random.Random(0)  # the same prompts for every setting
+    rows = []
+    for c in args.concurrency:
+        prompts = [[rng.randrange(256, vocab) for _ in range(args.input_len)] for _ in range(c)]
+        for name, llm, levels in engines:
             if c in levels:
                 rows.append({"setting": name, "concurrency": c,
                              **run_level(llm, prompts, args.output_len, f"{name}-{c}".replace(" ", "_"))})
                 print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-        del llm
-        gc.collect()
+    del engines
+    gc.collect()
     csv_path, png_path = args.output.with_suffix(".csv"), args.output.with_suffix(".png")
     write_csv(rows, FIELDS, csv_path)
     print(format_table(rows, args.concurrency, args.target_tpot_ms))

@@ -18,9 +18,10 @@ def test_target_sweep_writes_csv_and_png(tiny_model_factory, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "target.csv") as f:
         rows = list(csv.DictReader(f))
-    # A fixed cap of at least c runs as the default does: "fixed 2" is not run, "fixed 1" only at 2.
+    # Each level on every setting in turn; a fixed cap of at least c runs as the default does: "fixed 2" is not
+    # run, "fixed 1" only at 2.
     assert [(r["setting"], r["concurrency"]) for r in rows] == [
-        ("target 500 ms", "1"), ("target 500 ms", "2"), ("fixed 256 (default)", "1"), ("fixed 256 (default)", "2"),
+        ("target 500 ms", "1"), ("fixed 256 (default)", "1"), ("target 500 ms", "2"), ("fixed 256 (default)", "2"),
         ("fixed 1", "2")]
     assert all(float(r["total_tok_s"]) > 0 and float(r["p99_tpot_ms"]) >= float(r["mean_tpot_ms"]) > 0
                for r in rows)

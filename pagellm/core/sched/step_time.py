@@ -23,6 +23,7 @@ initialisation makes them slow, and one made prompt tokens look 4x their cost).
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,9 +36,8 @@ WINDOW = 128  # recent steps kept, per kind (with and without extra tokens)
 MIN_STEPS = 8  # steps observed before the model is trusted
 COLD_STEPS = 2  # an engine's first steps, not observed (lazy initialisation makes them slow)
 OUTLIER_FACTOR = 4.0  # steps whose time the first fit misses by more than this times the median miss are dropped
-# A fit costs ~0.1 ms, 2-3% of a batch-1 decode step: once the model predicts a step within WELL_PREDICTED of its
-# time, it is refitted every REFIT_EVERY steps only (a step it misses still refits at once).
-WELL_PREDICTED = 0.1
+# A fit costs 0.1-0.3 ms, 3-8% of a batch-1 decode step, so the line is refitted every REFIT_EVERY steps only: what
+# a plan needs now (decode steps by their rows, prompt tokens' recent cost) is kept step by step beside it.
 REFIT_EVERY = 16
 BY_ROWS_SAMPLES = 16  # recent decode steps kept per number of rows
 TOKEN_COST_SAMPLES = 32  # recent steps with prompt tokens whose cost per token is kept
@@ -96,12 +96,11 @@ class StepTimeModel:
             steps = self._decodes_by_rows[shape.rows]
             steps.append((shape.context, seconds))
             contexts, times = zip(*steps, strict=True)
-            self._medians[shape.rows] = (float(np.median(contexts)), float(np.median(times)))
+            self._medians[shape.rows] = (statistics.median(contexts), statistics.median(times))
         if len(self._decode_steps) + len(self._mixed_steps) < MIN_STEPS:
             return
         self._steps_since_fit += 1
-        if (self.coef is None or self._steps_since_fit >= REFIT_EVERY
-                or abs(self.predict(shape) - seconds) > WELL_PREDICTED * seconds):
+        if self.coef is None or self._steps_since_fit >= REFIT_EVERY:
             self.fit()
 
     def fit(self) -> None:
