@@ -106,6 +106,24 @@ def test_waves_hold_the_target_at_the_best_fixed_caps_throughput():
         assert throughput >= 0.9 * best, (c, results)
 
 
+def test_a_waves_first_tokens_come_in_one_step():
+    """40 prompts of 128 tokens start as one wave, 2.5 chunks of 2,048 tokens: each prompt is held a token short of
+    its end until the rest fit one step, so all 40 first tokens come in the same (last) step of the wave, and no
+    request's first gap waits on the others' chunks."""
+    sched = sweep_scheduler(max_num_seqs=256, target_tpot_ms=TARGET_MS)
+    for request in level(40, "r"):
+        sched.add_request(request)
+    first_token_step: dict[str, int] = {}
+    for step in range(4):
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens <= 2048
+        sampled = {s.request_id: [TOKEN] for s in out.scheduled if s.needs_sample}
+        first_token_step.update((request_id, step) for request_id in sampled if request_id not in first_token_step)
+        sched.observe_step_time(out, stair_law(StepShape.of(out)))
+        sched.update_from_output(out, sampled)
+    assert len(first_token_step) == 40 and set(first_token_step.values()) == {2}
+
+
 def test_warmup_rows_until_the_model_has_data_then_every_request_holds_the_target():
     """A scheduler whose model has seen no step (the engine's profile gives it some: when even one row is slower
     than the target, too few): WARMUP_ROWS rows run until the model has seen MIN_STEPS steps after the cold ones
