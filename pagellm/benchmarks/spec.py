@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--output-len must be >= 2, --num-speculative-tokens and --repeats >= 1")
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), max_num_seqs=1)
     if engine_args.kv_cache_memory_bytes is None:  # one request at a time: a small pool for each engine
-        engine_args = dataclasses.replace(engine_args, kv_cache_memory_bytes=KV_BYTES)
+        # A draft model's cache shares the pool, block for block: twice the bytes fit a draft up to the target's size.
+        engine_args = dataclasses.replace(engine_args, kv_cache_memory_bytes=KV_BYTES * (2 if args.draft_model else 1))
     methods = list(args.methods) + (["draft_model"] if args.draft_model else [])
     settings: dict[str, dict | None] = {"off": None}
     for method in methods:
