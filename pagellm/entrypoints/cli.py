@@ -50,7 +50,8 @@ _ENGINE_BENCHMARKS = {
     "structured": "JSON-schema constrained decoding: time per output token vs unconstrained, first-request "
                   "latency with compilation, validity of sampled objects",
     "embed": "embedding throughput (inputs/s, tokens/s) of LLM.embed beside transformers' batched inference",
-    "spec": "batch-1 decode tok/s with ngram and suffix speculative decoding vs without, editing and chat workloads",
+    "spec": "batch-1 decode tok/s with ngram, suffix (and --draft-model) speculative decoding vs without, editing and "
+            "chat workloads",
 }
 
 
