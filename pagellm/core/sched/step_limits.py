@@ -80,7 +80,7 @@ class StepLimiter:
         # The plan aims at HEADROOM of the target: steps scatter around the model's prediction, and it is the p99
         # of the time per output token that must hold the target, not its mean.
         self.planner = (TpotPlanner(HEADROOM * config.target_tpot_ms / 1e3, self.model, config.max_num_batched_tokens,
-                                    max_model_len, num_sequences) if target and self.model is not None else None)
+                                    max_model_len) if target and self.model is not None else None)
         self._starting: set[str] = set()  # the waiting requests of the wave the planner started
         self.background = (BackgroundShare(config.background_priority, self.model, config.max_num_seqs)
                            if background and self.model is not None else None)

@@ -22,12 +22,12 @@ finished requests' lengths on (the next token, before any finished), so that onl
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched.queues import num_sequences
 from pagellm.core.sched.step_time import StepShape, StepTimeModel
 
 LENGTH_WINDOW = 64  # finished requests whose output lengths are kept
@@ -45,13 +45,11 @@ class Budget:
 
 
 class TpotPlanner:
-    def __init__(self, target_s: float, model: StepTimeModel, token_budget: int, max_model_len: int,
-                 num_sequences: Callable[[Request], int]) -> None:
+    def __init__(self, target_s: float, model: StepTimeModel, token_budget: int, max_model_len: int) -> None:
         self.target_s = target_s
         self.model = model
         self.token_budget = token_budget  # max_num_batched_tokens: the prompt chunk of a step
         self.max_model_len = max_model_len
-        self.num_sequences = num_sequences
         self.clock = 0.0  # seconds of the steps observed
         self._first_token_at: dict[str, tuple[Request, float]] = {}
         self._lengths: deque[int] = deque(maxlen=LENGTH_WINDOW)
@@ -64,13 +62,17 @@ class TpotPlanner:
         past its first token, tracked), within `free_slots` sequence slots."""
         typical = int(np.quantile(self._lengths, LENGTH_QUANTILE)) if self._lengths else 0
         budgets = [self._budget(request, request.num_output_tokens, typical) for request in decoding]
-        candidates, slots = [], 0
+        candidates, seqs, slots = [], [], 0
         for request in waiting:
-            slots += self.num_sequences(request)
-            if slots > free_slots:
+            seq = num_sequences(request)
+            if slots + seq > free_slots:
                 break
+            slots += seq
             candidates.append(request)
-        fits = lambda n: self._holds(decoding, budgets, candidates[:n], typical)  # noqa: E731
+            seqs.append(seq)
+        # Where each would end if it started now (its budget runs from its first token).
+        contexts = [self._budget(request, 1, typical).context_end for request in candidates]
+        fits = lambda n: self._holds(decoding, budgets, candidates[:n], contexts[:n], seqs[:n])  # noqa: E731
         low, high = (1 if not decoding else 0), len(candidates)  # a request alone always starts
         while low < high:  # the largest group that holds; a larger group never holds where a smaller one fails
             middle = (low + high + 1) // 2
@@ -78,16 +80,13 @@ class TpotPlanner:
                 low = middle
             else:
                 high = middle - 1
-        return self._fastest(decoding, budgets, candidates, low, typical)
+        return self._fastest(decoding, budgets, contexts, seqs, low)
 
-    def _fastest(self, decoding: list[Request], budgets: list[Budget], candidates: list[Request], most: int,
-                 typical: int) -> int:
+    def _fastest(self, decoding: list[Request], budgets: list[Budget], contexts: list[int], seqs: list[int],
+                 most: int) -> int:
         """How many of the `most` first candidates start: the most whose decode batch, and the rest of the
         candidates' as one batch after it, give within RATE_TOLERANCE of the most tokens a second. One request more
         can take a batch up a stair and slow every other one; a large wave can leave a small one behind it."""
-        contexts = [self._budget(request, 1, typical).context_end for request in candidates]
-        seqs = [self.num_sequences(request) for request in candidates]
-
         def batch_time(rows: int, context: int) -> float:
             return self.model.decode_time(rows, context) if rows else 0.0
 
@@ -102,12 +101,13 @@ class TpotPlanner:
         fastest = max(rates)
         return max(n for n, rate in enumerate(rates) if rate >= (1 - RATE_TOLERANCE) * fastest)
 
-    def _holds(self, decoding: list[Request], budgets: list[Budget], group: list[Request], typical: int) -> bool:
-        """Whether, with `group` started, every decoding request holds the target and so does the new batch (the
-        group's own first tokens all come in the wave's last step, so its decodes are all they wait on)."""
-        members = [self._budget(request, 1, typical) for request in group]
-        rows = len(decoding) + sum(self.num_sequences(request) for request in group)
-        decode_s = self.model.decode_time(rows, sum(b.context_end for b in [*budgets, *members]))
+    def _holds(self, decoding: list[Request], budgets: list[Budget], group: list[Request], contexts: list[int],
+               seqs: list[int]) -> bool:
+        """Whether, with `group` started (its sequences `seqs`, ending at `contexts`), every decoding request holds
+        the target and so does the new batch (the group's own first tokens all come in the wave's last step, so its
+        decodes are all they wait on)."""
+        rows = len(decoding) + sum(seqs)
+        decode_s = self.model.decode_time(rows, sum(budget.context_end for budget in budgets) + sum(contexts))
         if decode_s > self.target_s:
             return False
         steps = self._wave_steps(decoding, group)
