@@ -39,15 +39,15 @@ def profile_decode_steps(executor: Executor, scheduler: Scheduler, config: Sched
     context = min(PROFILE_CONTEXT, max_model_len)
     blocks_per_row = -(-context // block_size)
     for rows in (size for size in LADDER if size * blocks_per_row <= num_blocks and size <= config.max_num_seqs):
+        output = SchedulerOutput()
+        for i in range(rows):
+            request_id = f"step-profile-{i}"  # sent in full each step: the workers replace their state
+            blocks = list(range(i * blocks_per_row, (i + 1) * blocks_per_row))
+            output.new_requests.append(NewRequestData(request_id, [0] * context, [], params))
+            output.scheduled.append(ScheduledRequest(request_id, 1, context - 1, new_block_ids=blocks,
+                                                     replaces_block_table=True,
+                                                     new_group_block_ids=[blocks] * (num_kv_groups - 1)))
         for _ in range(REPEATS):
-            output = SchedulerOutput()
-            for i in range(rows):
-                request_id = f"step-profile-{i}"  # sent in full each step: the workers replace their state
-                blocks = list(range(i * blocks_per_row, (i + 1) * blocks_per_row))
-                output.new_requests.append(NewRequestData(request_id, [0] * context, [], params))
-                output.scheduled.append(ScheduledRequest(request_id, 1, context - 1, new_block_ids=blocks,
-                                                         replaces_block_table=True,
-                                                         new_group_block_ids=[blocks] * (num_kv_groups - 1)))
             start = time.perf_counter()
             executor.submit_model(output, None)
             executor.collect_model_output()
